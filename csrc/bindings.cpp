@@ -1,0 +1,137 @@
+// Python bindings of ddpx._C. Policy (which engine, which group, when to fall back) lives in the
+// Python package; this file only exposes the pieces.
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include "engine.h"
+#include "fused_hook.h"
+
+#ifndef DDPX_TORCH_VERSION
+#error "build ddpx._C through setup.py or ddpx's loader, which define DDPX_TORCH_VERSION"
+#endif
+// The version comes unquoted on the command line (no shell quoting to survive) and is quoted here.
+#define DDPX_STRINGIFY(x) DDPX_STRINGIFY_(x)
+#define DDPX_STRINGIFY_(x) #x
+
+namespace py = pybind11;
+
+namespace ddpx {
+namespace {
+
+DType kernel_dtype(const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "ddpx kernels take contiguous CPU tensors");
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Float16;
+    default: TORCH_CHECK(false, "ddpx kernels take float32/float64/bfloat16/float16, got ", t.scalar_type());
+  }
+}
+
+const Kernels& kernels_named(const std::string& isa) {
+  const Kernels* k = kernels_for(isa.c_str());
+  TORCH_CHECK(k != nullptr, "ddpx: kernels '", isa, "' are not available on this CPU or build");
+  return *k;
+}
+
+Request make_request(double scale, std::optional<at::ScalarType> wire, std::string what) {
+  return Request{scale, wire, std::move(what)};
+}
+
+}  // namespace
+}  // namespace ddpx
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace ddpx;
+  m.attr("torch_version") = DDPX_STRINGIFY(DDPX_TORCH_VERSION);
+  m.attr("max_local_ranks") = kMaxLocalRanks;
+#ifdef DDPX_WITH_CUDA
+  m.attr("has_cuda_kernels") = true;
+#else
+  m.attr("has_cuda_kernels") = false;
+#endif
+
+  py::class_<ShmSegment, std::shared_ptr<ShmSegment>>(m, "ShmSegment", py::module_local())
+      .def_static("create", &ShmSegment::create, py::arg("name"), py::arg("nbytes"),
+                  py::call_guard<py::gil_scoped_release>())
+      .def_static("attach", &ShmSegment::attach, py::arg("name"), py::arg("nbytes"),
+                  py::call_guard<py::gil_scoped_release>())
+      .def_static("unlink", &ShmSegment::unlink, py::arg("name"))
+      .def_property_readonly("nbytes", &ShmSegment::size);
+
+  m.def("shm_segment_bytes", [](int nranks, size_t block_bytes) {
+    return ShmLayout{nranks, block_bytes}.segment_bytes();
+  }, py::arg("nranks"), py::arg("block_bytes"));
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", py::module_local())
+      .def("run",
+           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
+              std::string what) { e.run(std::move(t), make_request(scale, wire, std::move(what))); },
+           py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("run_async",
+           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
+              std::string what) {
+             c10::intrusive_ptr<c10::ivalue::Future> future;
+             {
+               py::gil_scoped_release release;
+               future = e.run_async(std::move(t), make_request(scale, wire, std::move(what)));
+             }
+             return torch::jit::toPyObject(c10::IValue(std::move(future)));
+           },
+           py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
+      .def("describe", &Engine::describe)
+      .def("shutdown", [](Engine& e) {
+        if (auto* shm = dynamic_cast<ShmEngine*>(&e)) shm->shutdown();
+      }, py::call_guard<py::gil_scoped_release>());
+
+  m.def("make_shm_engine",
+        [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, int local_rank,
+           std::vector<int> ranks, size_t one_shot_bytes, double timeout_s, bool initialize) {
+          auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+          auto shm = std::make_unique<ShmAllreduce>(std::move(segment),
+                                                    ShmLayout{nranks, block_bytes}, local_rank,
+                                                    std::move(ranks), one_shot_bytes, timeout,
+                                                    initialize);
+          return std::shared_ptr<Engine>(std::make_shared<ShmEngine>(std::move(shm)));
+        },
+        py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("local_rank"),
+        py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"), py::arg("initialize"));
+
+  m.def("make_process_group_engine",
+        [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason) {
+          return std::shared_ptr<Engine>(
+              std::make_shared<ProcessGroupEngine>(std::move(group), std::move(reason)));
+        },
+        py::arg("group"), py::arg("reason"));
+
+  m.def("register_fused_hook",
+        [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine, double scale,
+           std::optional<at::ScalarType> wire) {
+          reducer.register_comm_hook(
+              std::make_unique<FusedHook>(FusedHookConfig{std::move(engine), scale, wire}));
+        },
+        py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"));
+
+  m.def("kernel_isa", [] { return std::string(kernels().isa); });
+  m.def("kernel_pack", [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa) {
+    TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_pack needs equal sizes");
+    kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(), kernel_dtype(src),
+                            src.numel(), scale);
+  }, py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"));
+  m.def("kernel_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa) {
+    TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",
+                kMaxLocalRanks, " sources");
+    std::vector<const void*> ptrs;
+    for (const auto& s : srcs) {
+      TORCH_CHECK(s.numel() == dst.numel() && s.scalar_type() == srcs[0].scalar_type(),
+                  "ddpx: kernel_reduce sources must match in size and dtype");
+      kernel_dtype(s);
+      ptrs.push_back(s.data_ptr());
+    }
+    kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
+                              kernel_dtype(srcs[0]), dst.numel());
+  }, py::arg("dst"), py::arg("srcs"), py::arg("isa"));
+}

@@ -1,0 +1,87 @@
+// The engines that reduce a tensor across a process group: the node's shared-memory all-reduce
+// driven by a communication thread, or the process group's own all-reduce where shared memory
+// cannot serve (ranks on several nodes, no room in /dev/shm). The fused hook and ddpx.all_reduce
+// drive either one through this interface.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "shm_allreduce.h"
+
+namespace ddpx {
+
+struct Request {
+  double scale = 1.0;                   // applied to every rank's input before the sum
+  std::optional<at::ScalarType> wire;   // dtype in transit; the tensor's own when empty
+  std::string what;                     // names the call in errors ("gradient bucket 3")
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  // Starts reducing tensor in place and returns at once; the future holds tensor when done.
+  virtual c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) = 0;
+  virtual void run(at::Tensor tensor, const Request& request) = 0;
+  virtual std::string describe() const = 0;
+};
+
+class ShmEngine final : public Engine {
+ public:
+  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm);
+  ~ShmEngine() override;
+
+  c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
+  // Runs on the calling thread once every earlier asynchronous call has finished.
+  void run(at::Tensor tensor, const Request& request) override;
+  std::string describe() const override;
+  // Finishes the queued work and joins the communication thread; later calls raise.
+  void shutdown();
+
+ private:
+  // What the communication thread shares with the engine; it outlives the engine when the last
+  // reference to the engine is dropped on that thread (in a future's callback).
+  struct Queue {
+    struct Job {
+      at::Tensor tensor;
+      Request request;
+      c10::intrusive_ptr<c10::ivalue::Future> future;
+    };
+    std::unique_ptr<ShmAllreduce> shm;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Job> jobs;
+    bool busy = false;
+    bool stopping = false;
+  };
+
+  static void execute(ShmAllreduce& shm, const at::Tensor& tensor, const Request& request);
+  static void worker_loop(const std::shared_ptr<Queue>& queue);
+
+  std::shared_ptr<Queue> queue_;
+  std::thread worker_;
+};
+
+class ProcessGroupEngine final : public Engine {
+ public:
+  ProcessGroupEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason);
+
+  c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
+  void run(at::Tensor tensor, const Request& request) override;
+  std::string describe() const override;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::string reason_;
+};
+
+}  // namespace ddpx

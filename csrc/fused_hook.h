@@ -1,0 +1,31 @@
+// The DDP communication hook in C++: DDP hands it each gradient bucket on the autograd thread,
+// it queues the bucket on the engine and returns the engine's future at once, so backward keeps
+// computing while the bucket is reduced. No Python and no GIL on this path.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <memory>
+#include <optional>
+
+#include "engine.h"
+
+namespace ddpx {
+
+struct FusedHookConfig {
+  std::shared_ptr<Engine> engine;
+  double scale;                        // 1 / world size: DDP averages gradients
+  std::optional<at::ScalarType> wire;  // compression dtype, or none
+};
+
+class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
+ public:
+  using c10d::CppCommHookInterface<FusedHookConfig>::CppCommHookInterface;
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    Request request{state_.scale, state_.wire, "gradient bucket " + std::to_string(bucket.getIndex())};
+    return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
+  }
+};
+
+}  // namespace ddpx

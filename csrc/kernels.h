@@ -1,0 +1,43 @@
+// Element kernels of the shared-memory all-reduce: the fused scale-and-cast that moves data into
+// shared memory, and the reduction that sums the ranks' blocks in a fixed order.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ddpx {
+
+enum class DType : int32_t { Float32 = 0, Float64 = 1, BFloat16 = 2, Float16 = 3 };
+
+size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+
+// dst[i] = DstT(float(src[i]) * scale), rounding to nearest even once. Float64 data is only ever
+// paired with Float64 and scaled in double.
+using PackFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, int64_t n,
+                        double scale);
+
+// dst[i] = DstT(srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]), summed left to right in float
+// (double for Float64), so every caller that passes the same sources in the same order gets the
+// same bits whatever the instruction set. dst may alias srcs[k] element for element.
+using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
+                          int64_t n);
+
+struct Kernels {
+  const char* isa;
+  PackFn pack;
+  ReduceFn reduce;
+};
+
+// The widest kernels this CPU runs, chosen once at first use ("avx2" or "portable").
+const Kernels& kernels();
+
+// Kernels by ISA name, for tests that hold each implementation against the reference.
+// Returns nullptr for an ISA that was not built or that this CPU lacks.
+const Kernels* kernels_for(const char* isa);
+
+namespace detail {
+const Kernels* avx2_kernels();  // nullptr when not built for x86-64
+}  // namespace detail
+
+}  // namespace ddpx

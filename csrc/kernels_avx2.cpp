@@ -1,0 +1,104 @@
+// AVX2 + F16C kernels, compiled for those instructions function by function (never -march) and
+// used only when the CPU reports them at run time.
+#include "kernels.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+
+#include <immintrin.h>
+
+#include "kernel_dispatch.h"
+
+#define DDPX_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace ddpx {
+namespace {
+
+DDPX_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+DDPX_AVX2 inline __m256 load8(const BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+DDPX_AVX2 inline __m256 load8(const Float16* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+DDPX_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+DDPX_AVX2 inline void store8(BFloat16* p, __m256 v) {
+  // Round to nearest even on the bit pattern, exactly as from_float<BFloat16> does; NaN -> 0x7fc0.
+  const __m256i x = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+DDPX_AVX2 inline void store8(Float16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+struct Avx2Loops {
+  template <class D, class S>
+  DDPX_AVX2 static void pack(D* dst, const S* src, int64_t n, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_mul_ps(load8(src + i), s));
+    ScalarLoops::pack(dst + i, src + i, n - i, scale);
+  }
+
+  template <class D, class S>
+  DDPX_AVX2 static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      const S* s0 = srcs[0] + i;
+      __m256 a0 = load8(s0), a1 = load8(s0 + 8), a2 = load8(s0 + 16), a3 = load8(s0 + 24);
+      for (int k = 1; k < nsrc; ++k) {
+        const S* s = srcs[k] + i;
+        a0 = _mm256_add_ps(a0, load8(s));
+        a1 = _mm256_add_ps(a1, load8(s + 8));
+        a2 = _mm256_add_ps(a2, load8(s + 16));
+        a3 = _mm256_add_ps(a3, load8(s + 24));
+      }
+      store8(dst + i, a0);
+      store8(dst + i + 8, a1);
+      store8(dst + i + 16, a2);
+      store8(dst + i + 24, a3);
+    }
+    for (; i + 8 <= n; i += 8) {
+      __m256 a = load8(srcs[0] + i);
+      for (int k = 1; k < nsrc; ++k) a = _mm256_add_ps(a, load8(srcs[k] + i));
+      store8(dst + i, a);
+    }
+    if (i == n) return;
+    const S* tails[64];
+    for (int k = 0; k < nsrc; ++k) tails[k] = srcs[k] + i;
+    ScalarLoops::reduce(dst + i, tails, nsrc, n - i);
+  }
+};
+
+const Kernels kAvx2{"avx2", &pack_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>};
+
+}  // namespace
+
+namespace detail {
+const Kernels* avx2_kernels() {
+  static const bool usable = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                             __builtin_cpu_supports("f16c");
+  return usable ? &kAvx2 : nullptr;
+}
+}  // namespace detail
+
+}  // namespace ddpx
+
+#else
+
+namespace ddpx::detail {
+const Kernels* avx2_kernels() { return nullptr; }
+}  // namespace ddpx::detail
+
+#endif

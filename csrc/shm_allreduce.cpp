@@ -1,0 +1,374 @@
+#include "shm_allreduce.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace ddpx {
+namespace {
+
+constexpr uint64_t kMagic = 0x3178706464ULL;  // "ddpx1"
+constexpr size_t kPage = 4096;
+constexpr int kSpins = 4000;   // ~100 us of pause: a peer on another core is usually that close
+constexpr int kYields = 64;    // hand the core to a peer that shares it before sleeping
+constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+std::string system_error(const std::string& what, int err) {
+  return "ddpx: " + what + ": " + std::strerror(err);
+}
+
+uint64_t pid_namespace() {
+  struct stat st {};
+  return stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
+}
+
+// A process that is gone or a zombie; only meaningful inside our own pid namespace.
+bool process_exited(int pid) {
+  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
+  if (!stat_file) return true;
+  std::string line;
+  std::getline(stat_file, line);
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
+  const char state = line[paren + 2];
+  return state == 'Z' || state == 'X';
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return int(sysconf(_SC_NPROCESSORS_ONLN));
+  return CPU_COUNT(&set);
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  timespec ts{};
+  ts.tv_sec = time_t(timeout.count() / 1000000000);
+  ts.tv_nsec = long(timeout.count() % 1000000000);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+}  // namespace
+
+struct ShmAllreduce::CallMeta {
+  uint64_t call;
+  int64_t numel;  // -1: this rank rejected its input, see RankControl::message
+  int32_t dtype;
+  int32_t wire;
+  double scale;
+};
+
+struct alignas(64) ShmAllreduce::RankControl {
+  std::atomic<uint64_t> arrived;  // last step whose block this rank has put in its input slot
+  char pad0[56];
+  std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
+  char pad1[56];
+  CallMeta meta[2];               // per slot parity: what the call starting at that step is
+  int32_t pid;
+  uint64_t pid_ns;
+  char message[512];              // why this rank rejected its input or aborted
+};
+
+struct ShmAllreduce::Header {
+  uint64_t magic;
+  int32_t nranks;
+  uint64_t block_bytes;
+  alignas(64) std::atomic<uint32_t> sleepers;  // ranks inside futex_wait (or about to be)
+  std::atomic<uint32_t> wake_epoch;            // the futex word, bumped when sleepers > 0
+  alignas(64) std::atomic<int32_t> aborted_by;  // 0, or the local rank + 1 that gave up
+};
+
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word must be plain");
+
+std::shared_ptr<ShmSegment> ShmSegment::create(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(system_error("cannot create shared memory " + name, errno));
+  int err = posix_fallocate(fd, 0, off_t(bytes));
+  void* p = err == 0 ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (err == 0 && p == MAP_FAILED) err = errno;
+  close(fd);
+  if (err != 0) {
+    shm_unlink(name.c_str());
+    throw std::runtime_error(system_error(
+        "cannot reserve " + std::to_string(bytes >> 20) + " MiB of shared memory in /dev/shm", err));
+  }
+  return std::shared_ptr<ShmSegment>(new ShmSegment(static_cast<char*>(p), bytes));
+}
+
+std::shared_ptr<ShmSegment> ShmSegment::attach(const std::string& name, size_t bytes) {
+  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(system_error("cannot open shared memory " + name, errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || size_t(st.st_size) != bytes) {
+    close(fd);
+    throw std::runtime_error("ddpx: shared memory " + name + " has " + std::to_string(st.st_size) +
+                             " bytes, expected " + std::to_string(bytes));
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) throw std::runtime_error(system_error("cannot map shared memory " + name, err));
+  return std::shared_ptr<ShmSegment>(new ShmSegment(static_cast<char*>(p), bytes));
+}
+
+void ShmSegment::unlink(const std::string& name) { shm_unlink(name.c_str()); }
+
+ShmSegment::~ShmSegment() { munmap(data_, size_); }
+
+size_t ShmLayout::control_offset() { return round_up(sizeof(ShmAllreduce::Header), 64); }
+
+size_t ShmLayout::data_offset() const {
+  return round_up(control_offset() + size_t(nranks) * sizeof(ShmAllreduce::RankControl), kPage);
+}
+
+size_t ShmLayout::segment_bytes() const {
+  return data_offset() + (2 * size_t(nranks) + 2) * block_bytes;
+}
+
+ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
+                           std::vector<int> ranks, size_t one_shot_bytes,
+                           std::chrono::milliseconds timeout, bool initialize)
+    : segment_(std::move(segment)),
+      layout_(layout),
+      me_(local_rank),
+      ranks_(std::move(ranks)),
+      one_shot_bytes_(one_shot_bytes),
+      timeout_(timeout),
+      oversubscribed_(layout.nranks > usable_cpus()) {
+  if (layout_.nranks < 1 || layout_.nranks > kMaxLocalRanks || me_ < 0 || me_ >= layout_.nranks ||
+      int(ranks_.size()) != layout_.nranks) {
+    throw std::invalid_argument("ddpx: bad shared-memory group: local rank " + std::to_string(me_) +
+                                " of " + std::to_string(layout_.nranks) + " (at most " +
+                                std::to_string(kMaxLocalRanks) + " ranks per node)");
+  }
+  if (layout_.block_bytes == 0 || layout_.block_bytes % kPage != 0) {
+    throw std::invalid_argument("ddpx: block size must be a positive multiple of 4 KiB");
+  }
+  if (segment_->size() != layout_.segment_bytes()) {
+    throw std::invalid_argument("ddpx: shared memory segment does not match its layout");
+  }
+  header_ = reinterpret_cast<Header*>(segment_->data());
+  control_ = reinterpret_cast<RankControl*>(segment_->data() + ShmLayout::control_offset());
+  data_ = segment_->data() + layout_.data_offset();
+  if (initialize) {
+    header_->nranks = layout_.nranks;
+    header_->block_bytes = layout_.block_bytes;
+    header_->magic = kMagic;
+  } else if (header_->magic != kMagic || header_->nranks != layout_.nranks ||
+             header_->block_bytes != layout_.block_bytes) {
+    throw std::runtime_error("ddpx: shared memory segment was made by another ddpx version or layout");
+  }
+  control_[me_].pid = int32_t(getpid());
+  control_[me_].pid_ns = pid_namespace();
+}
+
+char* ShmAllreduce::input_slot(int rank, uint64_t step) const {
+  return data_ + (2 * size_t(rank) + (step & 1)) * layout_.block_bytes;
+}
+
+char* ShmAllreduce::output_slot(uint64_t step) const {
+  return data_ + (2 * size_t(layout_.nranks) + (step & 1)) * layout_.block_bytes;
+}
+
+std::string ShmAllreduce::rank_name(int local) const {
+  return "rank " + std::to_string(ranks_[size_t(local)]);
+}
+
+void ShmAllreduce::publish(Phase phase, uint64_t step) {
+  auto& counter = phase == Phase::Arrive ? control_[me_].arrived : control_[me_].reduced;
+  counter.store(step, std::memory_order_seq_cst);
+  // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
+  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
+    header_->wake_epoch.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&header_->wake_epoch);
+  }
+}
+
+void ShmAllreduce::check_not_aborted() const {
+  const int32_t by = header_->aborted_by.load(std::memory_order_acquire);
+  if (by == 0 || by == me_ + 1) return;
+  throw std::runtime_error("ddpx: the shared-memory all-reduce was aborted by " + rank_name(by - 1) +
+                           ": " + control_[by - 1].message);
+}
+
+void ShmAllreduce::fail(const std::string& message) {
+  failure_ = message;
+  auto& mine = control_[me_].message;
+  std::snprintf(mine, sizeof mine, "%s", message.c_str());
+  int32_t none = 0;
+  header_->aborted_by.compare_exchange_strong(none, me_ + 1, std::memory_order_acq_rel);
+  header_->wake_epoch.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&header_->wake_epoch);
+  throw std::runtime_error(message);
+}
+
+void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what) {
+  auto behind = [&](int r) {
+    const auto& c = phase == Phase::Arrive ? control_[r].arrived : control_[r].reduced;
+    return c.load(std::memory_order_seq_cst) < step;
+  };
+  auto ready = [&] {
+    for (int r = 0; r < layout_.nranks; ++r) {
+      if (r != me_ && behind(r)) return false;
+    }
+    return true;
+  };
+  if (!oversubscribed_) {
+    for (int i = 0; i < kSpins; ++i) {
+      if (ready()) return;
+      cpu_relax();
+    }
+  }
+  for (int i = 0; i < kYields; ++i) {
+    if (ready()) return;
+    sched_yield();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout_;
+  const uint64_t my_ns = control_[me_].pid_ns;
+  while (true) {
+    check_not_aborted();
+    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t epoch = header_->wake_epoch.load(std::memory_order_seq_cst);
+    if (ready()) {
+      header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    futex_wait(&header_->wake_epoch, epoch, std::min<std::chrono::nanoseconds>(kPoll, deadline - now));
+    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return;
+
+    std::vector<int> late;
+    for (int r = 0; r < layout_.nranks; ++r) {
+      if (r != me_ && behind(r)) late.push_back(r);
+    }
+    const char* doing = phase == Phase::Arrive ? "send its block of" : "reduce its slice of";
+    for (int r : late) {
+      const int pid = control_[r].pid;
+      if (pid > 0 && control_[r].pid_ns == my_ns && process_exited(pid)) {
+        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(pid) + ") exited while " +
+             rank_name(me_) + " waited for it to " + doing + " " + what + " (step " +
+             std::to_string(step) + ")");
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::ostringstream names;
+      for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
+      const auto secs = std::chrono::duration<double>(timeout_).count();
+      fail("ddpx: " + rank_name(me_) + " timed out after " + std::to_string(secs) +
+           " s waiting for rank(s) " + names.str() + " to " + doing + " " + what + " (step " +
+           std::to_string(step) + "); raise the timeout if a peer can be this slow");
+    }
+  }
+}
+
+void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& what) {
+  const int slot = int(step_ & 1);
+  auto describe = [&](int r, const CallMeta& m) {
+    return rank_name(r) + " has " + std::to_string(m.numel) + " " +
+           dtype_name(DType(m.dtype)) + " elements (wire " + dtype_name(DType(m.wire)) +
+           ", scale " + std::to_string(m.scale) + ", call " + std::to_string(m.call) + ")";
+  };
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (r == me_) continue;
+    const CallMeta& m = control_[r].meta[slot];
+    if (m.numel < 0) {
+      throw std::runtime_error("ddpx: " + rank_name(r) + " rejected its input to " + what + ": " +
+                               control_[r].message);
+    }
+    if (m.numel != mine.numel || m.dtype != mine.dtype || m.wire != mine.wire ||
+        m.scale != mine.scale || m.call != mine.call) {
+      throw std::runtime_error(
+          "ddpx: ranks disagree on " + what + ": " + describe(me_, mine) + ", " + describe(r, m) +
+          ". Every rank must reduce the same sizes and dtypes in the same order: check that the "
+          "model and its trainable parameters are the same on every rank");
+    }
+  }
+}
+
+void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
+  if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
+  check_not_aborted();
+  const uint64_t step = ++step_;
+  control_[me_].meta[step & 1] = CallMeta{++calls_, -1, 0, 0, 0.0};
+  std::snprintf(control_[me_].message, sizeof control_[me_].message, "%s", reason.c_str());
+  publish(Phase::Arrive, step);
+  wait_all(Phase::Arrive, step, what);
+  throw std::invalid_argument(reason);
+}
+
+void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
+                             const std::string& what) {
+  if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
+  check_not_aborted();
+  if (numel < 0) throw std::invalid_argument("ddpx: negative element count");
+  const Kernels& k = kernels();
+  const size_t wire_size = dtype_size(wire);
+  const size_t data_size = dtype_size(dtype);
+  const int64_t per_block = int64_t(layout_.block_bytes / wire_size);
+  const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
+  const bool one_shot = size_t(numel) * wire_size <= one_shot_bytes_;
+  const int n = layout_.nranks;
+  const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale};
+  const void* srcs[kMaxLocalRanks];
+
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint64_t step = ++step_;
+    const int64_t offset = b * per_block;
+    const int64_t count = std::max<int64_t>(0, std::min(per_block, numel - offset));
+    char* local = static_cast<char*>(data) + size_t(offset) * data_size;
+    if (b == 0) control_[me_].meta[step & 1] = mine;
+    if (count > 0) k.pack(input_slot(me_, step), wire, local, dtype, count, scale);
+    publish(Phase::Arrive, step);
+    wait_all(Phase::Arrive, step, what);
+    if (b == 0) check_peers_agree(mine, what);
+    if (one_shot) {
+      for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step);
+      k.reduce(local, dtype, srcs, n, wire, count);
+      continue;
+    }
+    // Slices are whole cache lines, so no two ranks write the same line of the output slot.
+    const int64_t line = int64_t(64 / wire_size);
+    const int64_t slice = (count + n * line - 1) / (n * line) * line;
+    const int64_t lo = std::min<int64_t>(count, me_ * slice);
+    const int64_t hi = std::min<int64_t>(count, lo + slice);
+    for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
+    k.reduce(output_slot(step) + size_t(lo) * wire_size, wire, srcs, n, wire, hi - lo);
+    publish(Phase::Reduce, step);
+    wait_all(Phase::Reduce, step, what);
+    k.pack(local, dtype, output_slot(step), wire, count, 1.0);
+  }
+}
+
+}  // namespace ddpx

@@ -1,0 +1,113 @@
+// The shared-memory all-reduce between the ranks of one node.
+//
+// Every rank owns two input slots in one POSIX shared-memory segment; a message goes through in
+// blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
+// the last one. Each rank publishes a monotonic step counter when its block is in; readers wait
+// for every peer's counter, never for a global barrier. Small blocks are summed by every rank
+// (one-shot: one synchronisation per step); large ones are split, each rank sums its slice into a
+// shared output slot, and all copy the whole result out (two-phase). Both sum the ranks in rank
+// order in float, so every rank gets the same bits.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace ddpx {
+
+constexpr int kMaxLocalRanks = 64;
+
+// A mapped POSIX shared-memory segment. The creator reserves its pages up front (fallocate), so a
+// full /dev/shm fails here with a message instead of a SIGBUS later.
+class ShmSegment {
+ public:
+  static std::shared_ptr<ShmSegment> create(const std::string& name, size_t bytes);
+  static std::shared_ptr<ShmSegment> attach(const std::string& name, size_t bytes);
+  // Removes the name; mappings stay valid. Safe to call for a name that is already gone.
+  static void unlink(const std::string& name);
+
+  ShmSegment(const ShmSegment&) = delete;
+  ShmSegment& operator=(const ShmSegment&) = delete;
+  ~ShmSegment();
+
+  char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  ShmSegment(char* data, size_t size) : data_(data), size_(size) {}
+  char* data_;
+  size_t size_;
+};
+
+struct ShmLayout {
+  int nranks;
+  size_t block_bytes;  // bytes of one rank's block, in the wire dtype
+
+  size_t segment_bytes() const;
+
+ private:
+  friend class ShmAllreduce;
+  static size_t control_offset();
+  size_t data_offset() const;
+};
+
+class ShmAllreduce {
+ public:
+  friend struct ShmLayout;
+
+  // ranks[i] is the process-group rank of local rank i, used in error messages. The creator of the
+  // segment passes initialize=true before anyone else attaches.
+  ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
+               std::vector<int> ranks, size_t one_shot_bytes, std::chrono::milliseconds timeout,
+               bool initialize);
+
+  // data[i] = sum over ranks of wire(data_r[i] * scale), accumulated in float (double for
+  // float64) and written back in data's dtype. Blocking; what names the call in error messages.
+  void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
+                 const std::string& what);
+
+  // Takes part in the next call without data: every rank's call raises, naming this rank and
+  // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
+  void reject(const std::string& reason, const std::string& what);
+
+  int local_rank() const { return me_; }
+  int local_size() const { return layout_.nranks; }
+  size_t block_bytes() const { return layout_.block_bytes; }
+  bool oversubscribed() const { return oversubscribed_; }
+
+ private:
+  struct Header;
+  struct RankControl;
+  struct CallMeta;
+  enum class Phase { Arrive, Reduce };
+
+  char* input_slot(int rank, uint64_t step) const;
+  char* output_slot(uint64_t step) const;
+  void publish(Phase phase, uint64_t step);
+  void wait_all(Phase phase, uint64_t step, const std::string& what);
+  void check_peers_agree(const CallMeta& mine, const std::string& what);
+  std::string rank_name(int local) const;
+  [[noreturn]] void fail(const std::string& message);
+  void check_not_aborted() const;
+
+  std::shared_ptr<ShmSegment> segment_;
+  ShmLayout layout_;
+  int me_;
+  std::vector<int> ranks_;
+  size_t one_shot_bytes_;
+  std::chrono::milliseconds timeout_;
+  bool oversubscribed_;
+  Header* header_;
+  RankControl* control_;
+  char* data_;
+  uint64_t step_ = 0;
+  uint64_t calls_ = 0;
+  std::string failure_;
+};
+
+}  // namespace ddpx

@@ -1,0 +1,104 @@
+"""Loads the extension ddpx._C: the one pip built, or, when it is missing or was built for another
+torch, a build made once at first use with torch.utils.cpp_extension and cached on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ddpx._buildspec import CPP_SOURCES, cxx_flags
+
+logger = logging.getLogger("ddpx")
+
+_module: ModuleType | None = None
+_how: str | None = None
+
+
+def _source_dir() -> Path:
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "csrc", package.parent / "csrc"):
+        if all((candidate / name).is_file() for name in CPP_SOURCES):
+            return candidate
+    raise ImportError(
+        "ddpx: the extension ddpx._C is not built and its C++ sources are not installed either; "
+        "reinstall ddpx with `pip install --no-build-isolation .` from a source checkout"
+    )
+
+
+def _cache_dir(sources: list[Path], flags: list[str]) -> Path:
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.read_bytes())
+    for header in sorted(sources[0].parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    digest.update(" ".join(flags).encode())
+    root = Path(os.environ.get("DDPX_CACHE_DIR", Path.home() / ".cache" / "ddpx"))
+    return root / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+
+
+def _build(reason: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise ImportError(
+            f"ddpx: {reason}, and building it needs a C++17 compiler, but `{compiler}` is not on "
+            "PATH: install one (Debian/Ubuntu: apt-get install g++; Fedora: dnf install gcc-c++) "
+            "or set CXX"
+        )
+    if shutil.which("ninja") is None:
+        raise ImportError(f"ddpx: {reason}, and building it needs ninja: pip install ninja")
+    source_dir = _source_dir()
+    sources = [source_dir / name for name in CPP_SOURCES]
+    flags = cxx_flags(torch.__version__)
+    build_dir = _cache_dir(sources, flags)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.warning("ddpx: %s; building it once into %s", reason, build_dir)
+    return cpp_extension.load(
+        name="ddpx_C",
+        sources=[str(s) for s in sources],
+        extra_cflags=flags,
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def extension() -> ModuleType:
+    """The loaded ddpx._C module, building it on first use if needed."""
+    global _module, _how
+    if _module is not None:
+        return _module
+    try:
+        from ddpx import _C
+
+        if _C.torch_version == torch.__version__:
+            _module, _how = _C, "prebuilt"
+            return _module
+        reason = f"ddpx._C was built for torch {_C.torch_version}, this is torch {torch.__version__}"
+    except ImportError as error:
+        reason = f"ddpx._C is not built ({error})"
+    _module, _how = _build(reason), "jit"
+    return _module
+
+
+def build_info() -> dict:
+    """How the extension was loaded and what it was built with.
+
+    Keys: ``loaded`` ("prebuilt" or "jit"), ``path``, ``torch_version`` (the torch it was built
+    against), ``cuda`` (whether CUDA kernels are compiled in) and ``cpu_isa`` (the vector kernels
+    chosen for this CPU at run time).
+    """
+    module = extension()
+    return {
+        "loaded": _how,
+        "path": module.__file__,
+        "torch_version": module.torch_version,
+        "cuda": bool(module.has_cuda_kernels),
+        "cpu_isa": module.kernel_isa(),
+    }

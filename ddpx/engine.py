@@ -1,0 +1,233 @@
+"""Which engine reduces a process group's tensors, and how the node's ranks set it up.
+
+One engine per process group, made collectively the first time the group is used: the ranks of
+the group meet through the job's c10d store, the lowest rank of the node creates the
+shared-memory segment under a random name, every rank maps it, and the name is unlinked as soon
+as all have, so nothing is left in /dev/shm whatever happens to the job afterwards. Where shared
+memory cannot serve (ranks on several nodes, CUDA tensors, no room in /dev/shm), the engine is
+the process group's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpx._ext import extension
+
+__all__ = ["all_reduce", "engine_for", "wire_dtype"]
+
+logger = logging.getLogger("ddpx")
+
+_SHM_DIR = "/dev/shm"
+_SEGMENT_PREFIX = "ddpx-"
+_BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "1024"))
+_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "256"))
+_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+_engines: dict[tuple, object] = {}
+_generation: dict[str, int] = {}
+
+
+def wire_dtype(compression: str | None) -> torch.dtype | None:
+    """The dtype gradients travel in for a ``compression`` setting (None: their own)."""
+    if compression not in _COMPRESSION:
+        raise ValueError(
+            f"ddpx: compression={compression!r} is not one of None, 'bf16', 'fp16'"
+        )
+    return _COMPRESSION[compression]
+
+
+def _resolve_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ddpx: torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group('gloo') first, or launch with "
+            "`accelerate launch` / `torchrun`"
+        )
+    group = group if group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"ddpx: rank {dist.get_rank()} is not a member of the process group "
+            f"{group.group_name!r} (ranks {dist.get_process_group_ranks(group)}); "
+            "call ddpx only from the ranks of the group"
+        )
+    return group
+
+
+def _group_timeout(group) -> timedelta:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _remove_stale_segments() -> None:
+    """Unlinks segments whose creator died between creating and unlinking them."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_SEGMENT_PREFIX):
+            continue
+        pid = name[len(_SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            extension().ShmSegment.unlink("/" + name)
+
+
+def _shm_free_bytes() -> int:
+    stats = os.statvfs(_SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+class _Meeting:
+    """Keys of one engine set-up in the job's store."""
+
+    def __init__(self, group):
+        self.store = dist.distributed_c10d._get_default_store()
+        generation = _generation.get(group.group_name, 0)
+        _generation[group.group_name] = generation + 1
+        self.prefix = f"ddpx/{group.group_name}/{generation}"
+
+    def put(self, key: str, value: str) -> None:
+        self.store.set(f"{self.prefix}/{key}", value)
+
+    def get(self, key: str) -> str:
+        return self.store.get(f"{self.prefix}/{key}").decode()
+
+
+def _create_shm_engine(group, meeting: _Meeting, hosts: list[str], timeout: timedelta):
+    """Every rank of the group (all on one node) returns its engine, or all return the reason
+    why shared memory cannot serve."""
+    C = extension()
+    me = dist.get_rank(group)
+    size = len(hosts)
+    ranks = dist.get_process_group_ranks(group)
+    if me == 0:
+        layout = f"{_BLOCK_KB * 1024} {_ONE_SHOT_KB * 1024}"
+        block_bytes = _BLOCK_KB * 1024
+        nbytes = C.shm_segment_bytes(size, block_bytes)
+        name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        engine = None
+        try:
+            _remove_stale_segments()
+            free = _shm_free_bytes()
+            if free < nbytes + (1 << 20):
+                raise RuntimeError(
+                    f"/dev/shm has {free >> 20} MiB free and the shared-memory engine needs "
+                    f"{(nbytes >> 20) + 1} MiB for {size} ranks: start the container with a larger "
+                    "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
+                )
+            segment = C.ShmSegment.create(name, nbytes)
+            engine = C.make_shm_engine(segment, size, block_bytes, 0, ranks,
+                                       _ONE_SHOT_KB * 1024, timeout.total_seconds(), True)
+            meeting.put("segment", f"ok {name} {layout}")
+        except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
+            meeting.put("segment", f"error {error}")
+            C.ShmSegment.unlink(name)
+            return str(error)
+        try:
+            verdicts = [meeting.get(f"attached/{r}") for r in range(1, size)]
+        finally:
+            C.ShmSegment.unlink(name)
+        failed = [v for v in verdicts if v != "ok"]
+        return failed[0] if failed else engine
+
+    status, _, rest = meeting.get("segment").partition(" ")
+    if status != "ok":
+        return rest
+    name, block_bytes, one_shot = rest.split()
+    engine, verdict = None, "ok"
+    try:
+        segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, int(block_bytes)))
+        engine = C.make_shm_engine(segment, size, int(block_bytes), me, ranks, int(one_shot),
+                                   timeout.total_seconds(), False)
+    except Exception as error:  # noqa: BLE001
+        verdict = f"rank {ranks[me]} could not map the segment: {error}"
+    meeting.put(f"attached/{me}", verdict)
+    verdicts = [verdict if r == me else meeting.get(f"attached/{r}") for r in range(1, size)]
+    failed = [v for v in verdicts if v != "ok"]
+    return failed[0] if failed else engine
+
+
+def _create_engine(group, timeout: timedelta | None):
+    C = extension()
+    timeout = timeout if timeout is not None else _group_timeout(group)
+    meeting = _Meeting(group)
+    me = dist.get_rank(group)
+    meeting.put(f"host/{me}", _host_identity())
+    hosts = [meeting.get(f"host/{r}") for r in range(group.size())]
+    if len(set(hosts)) > 1:
+        reason = (f"the group's ranks are on {len(set(hosts))} nodes; the hierarchical "
+                  "all-reduce across nodes is not implemented yet")
+    else:
+        result = _create_shm_engine(group, meeting, hosts, timeout)
+        if not isinstance(result, str):
+            return result
+        reason = f"shared memory is unavailable: {result}"
+    if os.environ.get("DDPX_STRICT") == "1":
+        raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
+    if me == 0:
+        logger.warning("ddpx: %s; using the process group's all-reduce instead", reason)
+    return C.make_process_group_engine(group, reason)
+
+
+def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):
+    """The engine that reduces ``device`` tensors over ``group`` (default: the world), made
+    collectively by every rank of the group on first use."""
+    group = _resolve_group(group)
+    key = (group, device)
+    if key not in _engines:
+        if device == "cpu":
+            _engines[key] = _create_engine(group, timeout)
+        else:
+            _engines[key] = extension().make_process_group_engine(
+                group, f"{device} tensors go through the process group's all-reduce")
+    return _engines[key]
+
+
+@atexit.register
+def _shutdown() -> None:
+    for engine in _engines.values():
+        engine.shutdown()
+
+
+def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
+               compression: str | None = None) -> torch.Tensor:
+    """Sums ``tensor`` in place over ``group`` (averages with ``average=True``) and returns it.
+
+    Blocking, and collective: every rank of the group calls it with the same size and dtype.
+    float32, float64, bfloat16 and float16 are summed in float32 (float64 in float64), in rank
+    order, so every rank gets the same bits. ``compression="bf16"`` or ``"fp16"`` sends float32
+    data in that dtype and still sums in float32.
+
+    Example::
+        >>> t = torch.full((4,), float(dist.get_rank()))
+        >>> ddpx.all_reduce(t, average=True)
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"ddpx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
+    wire = wire_dtype(compression)
+    group = _resolve_group(group)
+    engine = engine_for(group, "cpu" if tensor.device.type == "cpu" else tensor.device.type)
+    scale = 1.0 / group.size() if average else 1.0
+    what = f"all_reduce of {tensor.numel()} {str(tensor.dtype).removeprefix('torch.')} elements"
+    engine.run(tensor, scale, wire, what)
+    return tensor

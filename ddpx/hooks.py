@@ -1,0 +1,81 @@
+"""ddpx's DDP communication hook, in C++ (``register_fused_hook``) and as a Python hook with
+PyTorch's signature (``fused_allreduce_hook``). Both hand the bucket to the same engine."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ddpx._ext import extension
+from ddpx.engine import engine_for, wire_dtype
+
+__all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
+
+
+class FusedHookState:
+    """What the fused hook needs: the engine of ``process_group`` (default: the world) for
+    ``device`` buckets, the 1/world_size scale that makes DDP's sum an average, and the wire dtype
+    of ``compression`` (None, "bf16" or "fp16"). Creating it is collective over the group."""
+
+    __slots__ = ("process_group", "compression", "engine", "scale", "wire")
+
+    def __init__(self, process_group=None, compression: str | None = None, *,
+                 device: str = "cpu", timeout: timedelta | None = None):
+        self.wire = wire_dtype(compression)
+        self.compression = compression
+        self.engine = engine_for(process_group, device, timeout)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.scale = 1.0 / self.process_group.size()
+
+    def describe(self) -> str:
+        """One line naming the communication path in use."""
+        wire = str(self.wire).removeprefix("torch.") if self.wire is not None else "no compression"
+        return f"{self.engine.describe()}; {wire}"
+
+
+def fused_allreduce_hook(
+    state: FusedHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Averages the bucket over ``state.process_group`` with ddpx's engine, in place: the
+    1/world_size scale (and the cast, with compression) is fused into the copy to shared memory,
+    and the sum is accumulated in float32. Returns at once; the future completes when the bucket
+    is reduced.
+
+    Example::
+        >>> state = ddpx.FusedHookState(process_group=None)
+        >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
+    """
+    return state.engine.run_async(bucket.buffer(), state.scale, state.wire,
+                                  f"gradient bucket {bucket.index()}")
+
+
+def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=None,
+                        compression: str | None = None,
+                        timeout: timedelta | None = None) -> FusedHookState:
+    """Registers ddpx's C++ communication hook on ``ddp_model``: DDP passes each gradient bucket
+    to it on the autograd thread, with no Python on that path. ``process_group`` defaults to the
+    model's own; ``timeout`` (default: the group's) bounds every wait for a peer. A model takes
+    one hook, once, before its first backward.
+
+    Example::
+        >>> model = DistributedDataParallel(net)
+        >>> state = ddpx.register_fused_hook(model)
+        >>> print(state.describe())
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"ddpx.register_fused_hook takes a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}; wrap it first (accelerator.prepare does)"
+        )
+    group = process_group if process_group is not None else ddp_model.process_group
+    devices = {p.device.type for p in ddp_model.parameters() if p.requires_grad}
+    if len(devices) != 1:
+        raise ValueError(f"ddpx: the model's trainable parameters are on {sorted(devices)}; "
+                         "DDP buckets must all be on one device type")
+    state = FusedHookState(group, compression, device=devices.pop(), timeout=timeout)
+    extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire)
+    ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
+    return state

@@ -1,0 +1,63 @@
+"""Runs a test body on several ranks at once: one spawned process per rank, a gloo process group
+over a FileStore in a temporary folder, results (or the first error) back to the test."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank, world_size, store_path, fn, args, results, env):
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                                world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - report everything to the test
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None):
+    """Runs fn(rank, world_size, *args) on world_size ranks; returns the results by rank.
+
+    Raises AssertionError with a rank's traceback when any rank fails, and kills every rank still
+    running when the timeout passes (a hang is a failure, never a stuck suite).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_main,
+                             args=(r, world_size, store_path, fn, args, results, env or {}))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        outcome = {}
+        try:
+            for _ in range(world_size):
+                rank, status, value = results.get(timeout=timeout)
+                outcome[rank] = (status, value)
+                if status == "error":
+                    break
+            for p in procs:
+                p.join(timeout=30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if errors:
+        rank, text = min(errors.items())
+        raise AssertionError(f"rank {rank} failed:\n{text}")
+    return [outcome[r][1] for r in range(world_size)]
