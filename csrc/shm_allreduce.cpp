@@ -152,7 +152,9 @@ size_t ShmLayout::data_offset() const {
 }
 
 size_t ShmLayout::segment_bytes() const {
-  return data_offset() + (2 * size_t(nranks) + 2) * block_bytes;
+  // Two input slots per rank, then two output slots that hold a block's sum in float32: twice
+  // the bytes of a block in the narrowest wire dtype.
+  return data_offset() + 2 * size_t(nranks) * block_bytes + 2 * 2 * block_bytes;
 }
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
@@ -197,7 +199,7 @@ char* ShmAllreduce::input_slot(int rank, uint64_t step) const {
 }
 
 char* ShmAllreduce::output_slot(uint64_t step) const {
-  return data_ + (2 * size_t(layout_.nranks) + (step & 1)) * layout_.block_bytes;
+  return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.block_bytes;
 }
 
 std::string ShmAllreduce::rank_name(int local) const {
@@ -336,6 +338,10 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const Kernels& k = kernels();
   const size_t wire_size = dtype_size(wire);
   const size_t data_size = dtype_size(dtype);
+  // Two-phase sums stay in the accumulation dtype in shared memory, so a result is rounded into
+  // the tensor's dtype once, and is the same bits whichever schedule reduced it.
+  const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
+  const size_t acc_size = dtype_size(acc);
   const int64_t per_block = int64_t(layout_.block_bytes / wire_size);
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
   const bool one_shot = size_t(numel) * wire_size <= one_shot_bytes_;
@@ -364,10 +370,10 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     const int64_t lo = std::min<int64_t>(count, me_ * slice);
     const int64_t hi = std::min<int64_t>(count, lo + slice);
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
-    k.reduce(output_slot(step) + size_t(lo) * wire_size, wire, srcs, n, wire, hi - lo);
+    k.reduce(output_slot(step) + size_t(lo) * acc_size, acc, srcs, n, wire, hi - lo);
     publish(Phase::Reduce, step);
     wait_all(Phase::Reduce, step, what);
-    k.pack(local, dtype, output_slot(step), wire, count, 1.0);
+    k.pack(local, dtype, output_slot(step), acc, count, 1.0);
   }
 }
 

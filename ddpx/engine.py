@@ -53,11 +53,11 @@ def _resolve_group(group):
             "`accelerate launch` / `torchrun`"
         )
     group = group if group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
+    # new_group() hands ranks outside the group a placeholder instead of a group.
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
         raise ValueError(
-            f"ddpx: rank {dist.get_rank()} is not a member of the process group "
-            f"{group.group_name!r} (ranks {dist.get_process_group_ranks(group)}); "
-            "call ddpx only from the ranks of the group"
+            f"ddpx: rank {dist.get_rank()} is not a member of this process group; "
+            "call ddpx only from the ranks of the group, with the group they share"
         )
     return group
 

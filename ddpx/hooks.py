@@ -1,8 +1,6 @@
 """ddpx's DDP communication hook, in C++ (``register_fused_hook``) and as a Python hook with
 PyTorch's signature (``fused_allreduce_hook``). Both hand the bucket to the same engine."""
 
-from __future__ import annotations
-
 from datetime import timedelta
 
 import torch
@@ -48,8 +46,10 @@ def fused_allreduce_hook(
         >>> state = ddpx.FusedHookState(process_group=None)
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
-    return state.engine.run_async(bucket.buffer(), state.scale, state.wire,
-                                  f"gradient bucket {bucket.index()}")
+    future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
+                                    f"gradient bucket {bucket.index()}")
+    # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
+    return future.then(lambda done: done.value())
 
 
 def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=None,

@@ -4,6 +4,8 @@ over a FileStore in a temporary folder, results (or the first error) back to the
 from __future__ import annotations
 
 import os
+import pickle
+import queue
 import tempfile
 import traceback
 
@@ -19,7 +21,9 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle copies tensors into the message; the queue's own pickler would share
+        # their memory with the parent, which breaks once this process exits.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -27,12 +31,18 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env):
             dist.destroy_process_group()
 
 
+def shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None):
     """Runs fn(rank, world_size, *args) on world_size ranks; returns the results by rank.
 
-    Raises AssertionError with a rank's traceback when any rank fails, and kills every rank still
-    running when the timeout passes (a hang is a failure, never a stuck suite).
+    Raises AssertionError with a rank's traceback when any rank fails, when the ranks leave a
+    ddpx segment in /dev/shm, and kills every rank still running when the timeout passes (a hang
+    is a failure, never a stuck suite).
     """
+    segments_before = shm_segments()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,7 +55,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None
         outcome = {}
         try:
             for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
+                try:
+                    rank, status, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(outcome))
+                    raise AssertionError(f"ranks {missing} did not finish in {timeout} s") from None
                 outcome[rank] = (status, value)
                 if status == "error":
                     break
@@ -60,4 +74,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None
     if errors:
         rank, text = min(errors.items())
         raise AssertionError(f"rank {rank} failed:\n{text}")
-    return [outcome[r][1] for r in range(world_size)]
+    if len(outcome) < world_size:
+        raise AssertionError(f"only ranks {sorted(outcome)} of {world_size} reported")
+    leaked = shm_segments() - segments_before
+    assert not leaked, f"the ranks left {sorted(leaked)} in /dev/shm"
+    return [pickle.loads(outcome[r][1]) for r in range(world_size)]

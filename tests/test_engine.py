@@ -1,0 +1,228 @@
+"""ddpx.all_reduce on real ranks (one process each, gloo for set-up): values against a float64
+reference, the same bits on every rank and under both reduction schedules (one-shot and
+two-phase, forced with small blocks), groups, compression, bad input, dead and silent peers, and
+the asynchronous path."""
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+# Small blocks put every schedule on small tensors: one-shot up to 16 KiB, two-phase above, and
+# several blocks (and partial last blocks) from 64 KiB on.
+SMALL_BLOCKS = {"DDPX_BLOCK_KB": "64", "DDPX_ONE_SHOT_KB": "16"}
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SIZES = [0, 1, 3, 17, 4095, 4096, 4097, 16383, 16385, 65537, 262147, 1_000_003]
+# Relative half-ulp of each dtype: the one rounding of the float32 sum into the result's dtype.
+HALF_ULP = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8,
+            torch.float16: 2.0**-11}
+
+
+def rank_input(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * (rank + 1)).to(dtype)
+
+
+def assert_close_to_sum(out: torch.Tensor, inputs: list[torch.Tensor], scale: float = 1.0):
+    """Within float32 summation error of the exact float64 sum: (world-1) additions of at most
+    2^-24 relative error each on the running sum (bounded by the sum of magnitudes), plus the
+    final rounding into out's dtype; float64 data is summed in float64."""
+    terms = [x.double() * scale for x in inputs]
+    exact = sum(terms)
+    magnitude = sum(t.abs() for t in terms)
+    acc_eps = 2.0**-53 if out.dtype == torch.float64 else 2.0**-24
+    bound = (len(inputs) - 1) * acc_eps * magnitude + HALF_ULP[out.dtype] * exact.abs() + 1e-300
+    err = (out.double() - exact).abs()
+    worst = (err - bound).argmax() if err.numel() else None
+    assert (err <= bound).all(), f"error {err[worst].item()} > bound {bound[worst].item()}"
+
+
+def fingerprint(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().view(torch.uint8).numpy())
+
+
+def battery(rank, world):
+    import ddpx
+
+    prints = {}
+    for dtype in DTYPES:
+        for n in SIZES:
+            inputs = [rank_input(r, n, dtype) for r in range(world)]
+            out = inputs[rank].clone()
+            assert ddpx.all_reduce(out) is out
+            assert_close_to_sum(out, inputs)
+            prints[(str(dtype), n)] = fingerprint(out)
+    ints = [torch.randint(-1000, 1000, (70_001,), generator=torch.Generator().manual_seed(r))
+            .float() for r in range(world)]
+    out = ints[rank].clone()
+    ddpx.all_reduce(out)
+    assert torch.equal(out, sum(ints)), "integer-valued float32 sums must be exact"
+    avg = [rank_input(r, 5000, torch.float32) for r in range(world)]
+    out = avg[rank].clone()
+    ddpx.all_reduce(out, average=True)
+    assert_close_to_sum(out, avg, scale=1.0 / world)
+    prints["average"] = fingerprint(out)
+    return prints
+
+
+@pytest.mark.parametrize("world,env", [(2, {}), (2, SMALL_BLOCKS), (3, SMALL_BLOCKS),
+                                       (4, SMALL_BLOCKS)])
+def test_values_and_identical_bits_on_every_rank(world, env):
+    prints = run_ranks(battery, world, env=env)
+    for other in prints[1:]:
+        assert other == prints[0]
+
+
+def compression(rank, world):
+    import ddpx
+
+    prints = {}
+    for mode, wire in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for n in (5, 4097, 100_003):
+            inputs = [rank_input(r, n, torch.float32) for r in range(world)]
+            out = inputs[rank].clone()
+            ddpx.all_reduce(out, average=True, compression=mode)
+            assert out.dtype == torch.float32
+            # Each input is rounded once to the wire dtype (after the 1/world scale), then summed
+            # in float32, in shared memory too; the result stays float32.
+            wired = [(x * (1.0 / world)).to(wire).float() for x in inputs]
+            assert_close_to_sum(out, wired)
+            prints[(mode, n)] = fingerprint(out)
+    return prints
+
+
+@pytest.mark.parametrize("world,env", [(2, {}), (3, SMALL_BLOCKS)])
+def test_compression_rounds_inputs_once_and_sums_in_float32(world, env):
+    prints = run_ranks(compression, world, env=env)
+    assert all(p == prints[0] for p in prints)
+
+
+def disagreement(rank, world):
+    import ddpx
+
+    with pytest.raises(RuntimeError, match="ranks disagree") as info:
+        ddpx.all_reduce(torch.ones(100 + rank))
+    message = str(info.value)
+    if rank == 0:
+        bad = torch.ones(64)[::2]
+        with pytest.raises(ValueError, match="not contiguous"):
+            ddpx.all_reduce(bad)
+    else:
+        with pytest.raises(RuntimeError, match="rank 0 rejected its input"):
+            ddpx.all_reduce(torch.ones(32))
+    with pytest.raises(ValueError, match="int64"):
+        ddpx.all_reduce(torch.ones(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="compression='int8'"):
+        ddpx.all_reduce(torch.ones(8), compression="int8")
+    # Every failed call above was a failed call on every rank: the engine is still in step.
+    out = torch.full((1000,), float(rank))
+    ddpx.all_reduce(out)
+    assert torch.equal(out, torch.full((1000,), float(sum(range(world)))))
+    return message
+
+
+def test_disagreeing_and_bad_calls_fail_on_every_rank_and_keep_the_engine_in_step():
+    messages = run_ranks(disagreement, 2)
+    assert all("100 float32" in m and "101 float32" in m for m in messages)
+
+
+def groups(rank, world):
+    import torch.distributed as dist
+
+    import ddpx
+
+    low, high = dist.new_group([0, 1]), dist.new_group([2, 3])
+    mine, other = (low, high) if rank < 2 else (high, low)
+    out = torch.full((10_000,), float(rank + 1))
+    ddpx.all_reduce(out, group=mine)
+    expected = 3.0 if rank < 2 else 7.0
+    assert torch.equal(out, torch.full((10_000,), expected))
+    with pytest.raises(ValueError, match="not a member"):
+        ddpx.all_reduce(out, group=other)
+    out = torch.full((10,), 1.0)
+    ddpx.all_reduce(out)
+    assert torch.equal(out, torch.full((10,), 4.0))
+
+
+def test_groups_reduce_independently():
+    run_ranks(groups, 4)
+
+
+def asynchronous(rank, world):
+    from ddpx.engine import engine_for
+
+    engine = engine_for(None)
+    out = torch.full((100_000,), float(rank + 1))
+    if rank == 1:
+        time.sleep(1.0)
+    future = engine.run_async(out, 1.0, None, "async test")
+    done_on_return = future.done()
+    assert future.wait() is out or torch.equal(future.wait(), out)
+    assert torch.equal(out, torch.full((100_000,), 3.0))
+    return done_on_return
+
+
+def test_run_async_returns_before_the_reduction():
+    done_on_return = run_ranks(asynchronous, 2)
+    assert done_on_return[0] is False, "rank 0's future cannot be done while rank 1 sleeps"
+
+
+def silent_peer(rank, world):
+    from ddpx.engine import engine_for
+
+    engine = engine_for(None, timeout=timedelta(seconds=1))
+    if rank == 1:
+        time.sleep(4)
+        return None
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 timed out after 1.* rank\(s\) 1 .*test call"):
+        engine.run(torch.ones(10), 1.0, None, "test call")
+    return time.monotonic() - start
+
+
+def test_a_silent_peer_times_out_with_its_rank_named():
+    elapsed = run_ranks(silent_peer, 2)[0]
+    assert elapsed < 3.5
+
+
+def dead_peer(rank, world):
+    import os
+
+    from ddpx.engine import engine_for
+
+    engine = engine_for(None)
+    if rank == 1:
+        os._exit(0)
+    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited"):
+        engine.run(torch.ones(10), 1.0, None, "test call")
+    with pytest.raises(RuntimeError, match="unusable"):
+        engine.run(torch.ones(10), 1.0, None, "next call")
+
+
+def test_a_dead_peer_is_an_error_not_a_hang():
+    with pytest.raises(AssertionError, match="ranks \\[1\\] did not finish|only ranks \\[0\\]"):
+        run_ranks(dead_peer, 2, timeout=20)
+
+
+def test_needs_an_initialized_process_group():
+    import ddpx
+
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ddpx.all_reduce(torch.ones(2))
+
+
+@pytest.mark.slow
+def test_a_tensor_over_2_gib():
+    run_ranks(huge, 2, timeout=600)
+
+
+def huge(rank, world):
+    import ddpx
+
+    n = (1 << 31) // 4 + 1000
+    out = torch.full((n,), float(rank + 1))
+    ddpx.all_reduce(out)
+    assert bool((out == 3.0).all())
