@@ -1,0 +1,100 @@
+"""What every example script needs: flags, the Accelerator, the comm hook, data, a clean exit."""
+
+import argparse
+import gc
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpx
+
+__all__ = [
+    "attach_comm_hook",
+    "make_accelerator",
+    "make_parser",
+    "random_batch",
+    "run_summary",
+    "shutdown",
+]
+
+COMM_HOOKS = ("ddpx", "default", "fp16")
+
+
+def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
+    """A parser with the flags all scripts share; scripts add their own."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=steps, help="training steps")
+    parser.add_argument(
+        "--comm_hook", choices=COMM_HOOKS, default="ddpx", help="who all-reduces the gradients"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--batch_size", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--log_every", type=int, default=10, help="print the loss every N steps")
+    parser.add_argument("--cpu", action="store_true", help="train on CPU even with CUDA")
+    return parser
+
+
+def make_accelerator(args: argparse.Namespace) -> Accelerator:
+    """The Accelerator of this process; seeds torch with --seed so all ranks build the same weights.
+
+    `cpu=True` without CUDA matters: under a multi-process launcher, a plain `Accelerator()` on a
+    machine without GPUs initializes no process group and every process trains alone (world size 1).
+    """
+    torch.manual_seed(args.seed)
+    return Accelerator(cpu=args.cpu or not torch.cuda.is_available())
+
+
+def run_summary(accelerator: Accelerator) -> str:
+    """One line: world size, backend and device of this run."""
+    backend = accelerator.state.backend or "none"
+    return f"world size {accelerator.num_processes}, backend {backend}, device {accelerator.device}"
+
+
+def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
+    """Register the comm hook `name` ("ddpx", "default" or "fp16") on a DDP model.
+
+    Returns a line naming the communication path in use. A model that is not wrapped in DDP (one
+    process: Accelerate does not wrap it) exchanges no gradients and gets no hook.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return "none (1 process: no DDP wrapper, no gradients to exchange)"
+    if name == "ddpx":
+        return ddpx.register_fused_hook(model).describe()
+    if name == "fp16":
+        model.register_comm_hook(None, fp16_compress_hook)
+        return "torch fp16_compress_hook"
+    return f"DDP default all-reduce ({dist.get_backend()})"
+
+
+def random_batch(
+    seed: int, rank: int, step: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (inputs, labels) of one rank at one step, on CPU: a function of (seed, rank, step) alone.
+
+    Every rank gets different data, and step k's batch is the same whether or not the run resumed
+    from a checkpoint. The labels are a fixed linear function of the inputs, so the loss can fall.
+    """
+    rng = np.random.default_rng([seed, rank, step])
+    inputs = torch.from_numpy(rng.standard_normal((batch_size, 10), dtype=np.float32))
+    return inputs, inputs[:, :5] - 0.5 * inputs[:, 5:]
+
+
+def shutdown(accelerator: Accelerator) -> None:
+    """Tear down in the order that lets gloo exit cleanly.
+
+    Call it after the model and optimizer went out of scope: once all ranks are done, Accelerate's
+    references go, the garbage collector frees the DDP reducer (and the hook on it), and only then
+    is the process group destroyed. A process group still alive at interpreter exit can abort
+    with "terminate called without an active exception".
+    """
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()

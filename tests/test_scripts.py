@@ -1,0 +1,136 @@
+"""The example scripts, launched as a user launches them: exit code, output, files, exact resume.
+
+Multi-process runs use `accelerate launch --config_file scripts/configs/cpu.yaml` (and torchrun
+once), so they take the same path as a user on a CPU machine.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+CPU_CONFIG = SCRIPTS / "configs" / "cpu.yaml"
+TIMEOUT_S = 180
+STEPS = 40
+CHECKPOINT_FILES = {
+    "plain": {"checkpoint.pt"},
+    "accelerate_state": {"accelerate_state/model.safetensors", "accelerate_state/optimizer.bin",
+                         "accelerate_state/custom_checkpoint_0.pkl"},
+}
+COMM_PATHS = {
+    "ddpx": "comm path: ddpx",
+    "default": "comm path: DDP default all-reduce (gloo)",
+    "fp16": "comm path: torch fp16_compress_hook",
+}
+
+
+def run(command: list[str]) -> str:
+    """Run `command` from the repository root; its stdout, after checking it exited cleanly.
+
+    The command gets its own process group, so a hang kills the launcher and all its ranks.
+    """
+    with subprocess.Popen(
+        [str(part) for part in command],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"timed out after {TIMEOUT_S} s\n{stdout}\n{stderr}")
+    output = f"stdout:\n{stdout}\nstderr:\n{stderr}"
+    assert process.returncode == 0, output
+    assert "terminate called" not in stderr, output
+    return stdout
+
+
+def accelerate_launch(script: str, *args, num_processes: int = 2, steps: int = STEPS) -> str:
+    return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG,
+                "--num_processes", num_processes, SCRIPTS / script, "--steps", steps, *args])
+
+
+def check_training(stdout: str, world_size: int, comm_path: str) -> None:
+    """The run saw `world_size` ranks, used `comm_path`, and its loss fell."""
+    assert f"world size {world_size}," in stdout, stdout
+    assert comm_path in stdout, stdout
+    first = float(re.search(r"^step +0 +loss (\S+)$", stdout, re.MULTILINE).group(1))
+    final = float(re.search(r"^final loss (\S+)$", stdout, re.MULTILINE).group(1))
+    assert final < first, stdout
+
+
+def final_state(stdout: str) -> tuple[str, str]:
+    return (re.search(r"^final loss (\S+)$", stdout, re.MULTILINE).group(1),
+            re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
+
+
+@pytest.mark.parametrize("comm_hook", ["ddpx", "default", "fp16"])
+def test_basic_two_processes(comm_hook):
+    stdout = accelerate_launch("basic.py", "--comm_hook", comm_hook)
+    check_training(stdout, 2, COMM_PATHS[comm_hook])
+
+
+def test_basic_four_processes():
+    stdout = accelerate_launch("basic.py", num_processes=4)
+    check_training(stdout, 4, COMM_PATHS["ddpx"])
+
+
+def test_basic_torchrun():
+    stdout = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node", 2, SCRIPTS / "basic.py", "--steps", STEPS])
+    check_training(stdout, 2, COMM_PATHS["ddpx"])
+
+
+@pytest.mark.parametrize("script", ["basic.py", "checkpoint.py", "model_parallel.py"])
+def test_single_process(script):
+    stdout = run([sys.executable, SCRIPTS / script, "--steps", STEPS])
+    check_training(stdout, 1, "comm path: none (1 process")
+
+
+def test_model_parallel():
+    stdout = accelerate_launch("model_parallel.py")
+    check_training(stdout, 2, COMM_PATHS["ddpx"])
+    assert "model split: net1 on cpu, net2 on cpu" in stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final loss and parameter digest of checkpoint.py run for all steps at once."""
+    stdout = accelerate_launch("checkpoint.py", "--output_dir", tmp_path_factory.mktemp("whole"))
+    check_training(stdout, 2, COMM_PATHS["ddpx"])
+    return final_state(stdout)
+
+
+@pytest.mark.parametrize("mode", ["plain", "accelerate_state"])
+def test_checkpoint_resume(uninterrupted, mode, tmp_path):
+    """Half the steps, a checkpoint, a new launch resuming it: the same end, bit for bit.
+
+    Equality is exact, not within a tolerance: each step's batch depends only on (seed, rank,
+    step), the checkpoint restores the weights and momentum buffers bit for bit, and ddpx sums
+    every gradient in a fixed rank order, so both runs execute the same float operations in the
+    same order. Any difference is a lost piece of state (a momentum buffer, a shifted data
+    stream) that a tolerance would hide.
+    """
+    flags = ["--use_accelerate_state"] if mode == "accelerate_state" else []
+    half = STEPS // 2
+    first = accelerate_launch("checkpoint.py", "--output_dir", tmp_path, "--checkpointing_steps",
+                              half, *flags, steps=half)
+    assert f"saved checkpoint after step {half}" in first
+    written = {str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file()}
+    assert CHECKPOINT_FILES[mode] <= written, written
+    assert not [name for name in written if name.endswith(".tmp")], written
+
+    resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,
+                                "--resume_from_checkpoint", "latest", *flags)
+    assert re.search(rf"^resumed from .* after step {half}$", resumed, re.MULTILINE), resumed
+    assert final_state(resumed) == uninterrupted
