@@ -59,7 +59,8 @@ def _build(reason: str) -> ModuleType:
     flags = cxx_flags(torch.__version__)
     build_dir = _cache_dir(sources, flags)
     build_dir.mkdir(parents=True, exist_ok=True)
-    logger.warning("ddpx: %s; building it once into %s", reason, build_dir)
+    if not any(build_dir.glob("ddpx_C*.so")):
+        logger.warning("ddpx: %s; building it once into %s", reason, build_dir)
     return cpp_extension.load(
         name="ddpx_C",
         sources=[str(s) for s in sources],

@@ -1,0 +1,67 @@
+"""The extension loader: the prebuilt ddpx._C, and the build at first use when it is missing."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import ddpx
+
+ROOT = Path(__file__).resolve().parents[1]
+# An editable install maps ddpx to the checkout through a finder ahead of PYTHONPATH; drop it so
+# the copy under test is the ddpx that gets imported.
+PRINT_INFO = (
+    "import sys; sys.meta_path = [f for f in sys.meta_path if '__editable__' not in repr(f)]; "
+    "import json, ddpx; print(json.dumps(ddpx.build_info()))"
+)
+
+
+def test_prebuilt_extension_matches_this_torch():
+    info = ddpx.build_info()
+    assert info["loaded"] == "prebuilt"
+    assert info["torch_version"] == torch.__version__
+    assert info["cpu_isa"] in ("avx2", "portable")
+    assert info["cuda"] is False or torch.version.cuda is not None
+    assert Path(info["path"]).name.startswith("_C")
+
+
+def source_copy_without_extension(tmp_path: Path) -> dict:
+    """A checkout with ddpx/ and csrc/ but no compiled ddpx._C; returns the env that imports it."""
+    shutil.copytree(ROOT / "ddpx", tmp_path / "ddpx",
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__"))
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), DDPX_CACHE_DIR=str(tmp_path / "cache"))
+    return env
+
+
+def run_python(code: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_missing_extension_is_built_once_and_cached(tmp_path):
+    env = source_copy_without_extension(tmp_path)
+    first = run_python(PRINT_INFO, env, tmp_path)
+    assert first.returncode == 0, first.stderr
+    info = json.loads(first.stdout)
+    assert info["loaded"] == "jit"
+    assert info["torch_version"] == torch.__version__
+    assert Path(info["path"]).is_relative_to(tmp_path / "cache")
+    assert first.stderr.count("building it once") == 1
+
+    second = run_python(PRINT_INFO, env, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["path"] == info["path"]
+    assert "building it once" not in second.stderr
+
+
+def test_missing_compiler_names_what_to_install(tmp_path):
+    env = source_copy_without_extension(tmp_path)
+    env["CXX"] = "no-such-compiler"
+    result = run_python(PRINT_INFO, env, tmp_path)
+    assert result.returncode != 0
+    assert "C++17 compiler" in result.stderr and "apt-get install g++" in result.stderr
