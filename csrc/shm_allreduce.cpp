@@ -25,8 +25,11 @@ namespace {
 
 constexpr uint64_t kMagic = 0x3178706464ULL;  // "ddpx1"
 constexpr size_t kPage = 4096;
-constexpr int kSpins = 4000;   // ~100 us of pause: a peer on another core is usually that close
-constexpr int kYields = 64;    // hand the core to a peer that shares it before sleeping
+// A waiter polls, then sleeps on a futex. Waking a sleeper costs a few hundred microseconds on
+// virtual machines (the idle vCPU is descheduled), so polling about that long first is cheap
+// insurance. It polls with a pause while the ranks it waits for run on other CPUs, and yields
+// while one of them last ran on its own CPU: spinning there would only delay that rank.
+constexpr auto kPollFor = std::chrono::microseconds(1000);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -94,6 +97,7 @@ struct alignas(64) ShmAllreduce::RankControl {
   std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
   char pad1[56];
   CallMeta meta[2];               // per slot parity: what the call starting at that step is
+  std::atomic<int32_t> cpu;      // the CPU this rank last ran on, for waiters that share it
   int32_t pid;
   uint64_t pid_ns;
   char message[512];              // why this rank rejected its input or aborted
@@ -208,6 +212,7 @@ std::string ShmAllreduce::rank_name(int local) const {
 
 void ShmAllreduce::publish(Phase phase, uint64_t step) {
   auto& counter = phase == Phase::Arrive ? control_[me_].arrived : control_[me_].reduced;
+  control_[me_].cpu.store(sched_getcpu(), std::memory_order_relaxed);
   counter.store(step, std::memory_order_seq_cst);
   // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
   if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
@@ -245,17 +250,26 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
     }
     return true;
   };
-  if (!oversubscribed_) {
-    for (int i = 0; i < kSpins; ++i) {
-      if (ready()) return;
+  auto shares_my_cpu = [&] {
+    const int32_t mine = sched_getcpu();
+    for (int r = 0; r < layout_.nranks; ++r) {
+      if (r != me_ && behind(r) && control_[r].cpu.load(std::memory_order_relaxed) == mine) {
+        return true;
+      }
+    }
+    return false;
+  };
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  for (uint32_t i = 1;; ++i) {
+    if (ready()) return;
+    if (oversubscribed_ || shares_my_cpu()) {
+      sched_yield();
+    } else {
       cpu_relax();
     }
+    if (i % 32 == 0 && Clock::now() - start > kPollFor) break;
   }
-  for (int i = 0; i < kYields; ++i) {
-    if (ready()) return;
-    sched_yield();
-  }
-  const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout_;
   const uint64_t my_ns = control_[me_].pid_ns;
   while (true) {
@@ -266,7 +280,7 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
       header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       return;
     }
-    const auto now = std::chrono::steady_clock::now();
+    const auto now = Clock::now();
     futex_wait(&header_->wake_epoch, epoch, std::min<std::chrono::nanoseconds>(kPoll, deadline - now));
     header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) return;
@@ -284,7 +298,7 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
              std::to_string(step) + ")");
       }
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    if (Clock::now() >= deadline) {
       std::ostringstream names;
       for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
       const auto secs = std::chrono::duration<double>(timeout_).count();
