@@ -4,8 +4,9 @@ One engine per process group, made collectively the first time the group is used
 the group meet through the job's c10d store, the lowest rank of the node creates the
 shared-memory segment under a random name, every rank maps it, and the name is unlinked as soon
 as all have, so nothing is left in /dev/shm whatever happens to the job afterwards. Where shared
-memory cannot serve (ranks on several nodes, CUDA tensors, no room in /dev/shm), the engine is
-the process group's own all-reduce.
+memory cannot serve (ranks on several nodes, no room in /dev/shm), the engine is the process
+group's own all-reduce. CUDA tensors go to the CUDA engine (csrc/cuda) where the extension was
+built with its kernels, else to the process group's all-reduce too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import secrets
 import socket
+import weakref
 from datetime import timedelta
 
 import torch
@@ -34,7 +36,9 @@ _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "1024"))
 _ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "256"))
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-_engines: dict[tuple, object] = {}
+# group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
+# alive (with its threads) by ddpx until interpreter exit.
+_engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _generation: dict[str, int] = {}
 
 
@@ -195,20 +199,27 @@ def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None
     """The engine that reduces ``device`` tensors over ``group`` (default: the world), made
     collectively by every rank of the group on first use."""
     group = _resolve_group(group)
-    key = (group, device)  # the same key all_reduce looks up
-    if key not in _engines:
+    by_device = _engines.setdefault(group, {})
+    if device not in by_device:
         if device == "cpu":
-            _engines[key] = _create_engine(group, timeout)
+            by_device[device] = _create_engine(group, timeout)
+        elif device == "cuda" and extension().has_cuda_kernels:
+            by_device[device] = extension().make_cuda_engine(
+                group, timeout.total_seconds() if timeout is not None else None)
         else:
-            _engines[key] = extension().make_process_group_engine(
+            by_device[device] = extension().make_process_group_engine(
                 group, f"{device} tensors go through the process group's all-reduce")
-    return _engines[key]
+    return by_device[device]
 
 
 @atexit.register
 def _shutdown() -> None:
-    for engine in _engines.values():
-        engine.shutdown()
+    """Stops the communication threads and drops the engines (and the groups they hold) while
+    the interpreter is whole: gloo's threads must not outlive it."""
+    for by_device in list(_engines.values()):
+        for engine in by_device.values():
+            engine.shutdown()
+    _engines.clear()
 
 
 def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
@@ -226,11 +237,12 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"ddpx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
-    # The per-call path is a dictionary lookup: this is benchmarked at microsecond sizes.
-    key = (group if group is not None else _world.default_pg, tensor.device.type)
-    engine = _engines.get(key)
-    if engine is None:
-        engine = engine_for(group, key[1])
-    scale = 1.0 / key[0].size() if average else 1.0
+    # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
+    pg = group if group is not None else _world.default_pg
+    try:
+        engine = _engines[pg][tensor.device.type]
+    except (KeyError, TypeError):  # first use, or no group (None / a non-member's placeholder)
+        engine = engine_for(group, tensor.device.type)
+    scale = 1.0 / pg.size() if average else 1.0
     engine.run(tensor, scale, wire_dtype(compression), "ddpx.all_reduce")
     return tensor
