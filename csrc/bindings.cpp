@@ -41,6 +41,11 @@ Request make_request(double scale, std::optional<at::ScalarType> wire, std::stri
 }
 
 }  // namespace
+
+#ifdef DDPX_WITH_CUDA
+void bind_cuda(py::module& m);  // csrc/cuda/cuda_engine.cpp
+#endif
+
 }  // namespace ddpx
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -49,6 +54,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_local_ranks") = kMaxLocalRanks;
 #ifdef DDPX_WITH_CUDA
   m.attr("has_cuda_kernels") = true;
+  bind_cuda(m);
 #else
   m.attr("has_cuda_kernels") = false;
 #endif
@@ -116,12 +122,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"));
 
   m.def("kernel_isa", [] { return std::string(kernels().isa); });
-  m.def("kernel_pack", [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa) {
+  m.def("kernel_pack", [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa,
+                          bool stream) {
     TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_pack needs equal sizes");
     kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(), kernel_dtype(src),
-                            src.numel(), scale);
-  }, py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"));
-  m.def("kernel_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa) {
+                            src.numel(), scale, stream ? Store::Streaming : Store::Cached);
+  }, py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"), py::arg("stream") = false);
+  m.def("kernel_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa,
+                            bool stream) {
     TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",
                 kMaxLocalRanks, " sources");
     std::vector<const void*> ptrs;
@@ -132,6 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       ptrs.push_back(s.data_ptr());
     }
     kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
-                              kernel_dtype(srcs[0]), dst.numel());
-  }, py::arg("dst"), py::arg("srcs"), py::arg("isa"));
+                              kernel_dtype(srcs[0]), dst.numel(),
+                              stream ? Store::Streaming : Store::Cached);
+  }, py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false);
 }

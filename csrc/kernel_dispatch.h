@@ -33,7 +33,8 @@ inline void require_float64_pair(DType a, DType b) {
 }
 
 template <class Loops>
-void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double scale) {
+void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double scale,
+                   Store store) {
   require_float64_pair(dst_t, src_t);
   if (dst_t == DType::Float64) {
     pack_float64(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
@@ -49,7 +50,7 @@ void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t
       using S = std::remove_pointer_t<decltype(s)>;
       if constexpr (!std::is_same_v<D, double> && !std::is_same_v<S, double>) {
         Loops::template pack<D, S>(static_cast<D*>(dst), static_cast<const S*>(src), n,
-                                   float(scale));
+                                   float(scale), store);
       }
     });
   });
@@ -57,7 +58,7 @@ void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t
 
 template <class Loops>
 void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                     int64_t n) {
+                     int64_t n, Store store) {
   require_float64_pair(dst_t, src_t);
   if (dst_t == DType::Float64) {
     reduce_float64(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), nsrc,
@@ -70,21 +71,22 @@ void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, 
       using S = std::remove_pointer_t<decltype(s)>;
       if constexpr (!std::is_same_v<D, double> && !std::is_same_v<S, double>) {
         Loops::template reduce<D, S>(static_cast<D*>(dst), reinterpret_cast<const S* const*>(srcs),
-                                     nsrc, n);
+                                     nsrc, n, store);
       }
     });
   });
 }
 
-// The scalar loops: the whole job for the portable kernels, the tails for the vector ones.
+// The scalar loops: the whole job for the portable kernels, the heads and tails for the vector
+// ones. They always store through the cache.
 struct ScalarLoops {
   template <class D, class S>
-  static void pack(D* dst, const S* src, int64_t n, float scale) {
+  static void pack(D* dst, const S* src, int64_t n, float scale, Store = Store::Cached) {
     for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]) * scale);
   }
 
   template <class D, class S>
-  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n) {
+  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, Store = Store::Cached) {
     constexpr int64_t kTile = 256;  // accumulators stay in registers/L1 across the nsrc passes
     float acc[kTile];
     for (int64_t base = 0; base < n; base += kTile) {

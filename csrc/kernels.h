@@ -7,21 +7,27 @@
 
 namespace ddpx {
 
+constexpr int kMaxSources = 64;  // ranks a reduction sums at most
+
 enum class DType : int32_t { Float32 = 0, Float64 = 1, BFloat16 = 2, Float16 = 3 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 
+// How a kernel writes dst: Streaming bypasses the caches (non-temporal stores), for outputs too
+// large to stay cached, where it saves reading every line before overwriting it.
+enum class Store { Cached, Streaming };
+
 // dst[i] = DstT(float(src[i]) * scale), rounding to nearest even once. Float64 data is only ever
 // paired with Float64 and scaled in double.
 using PackFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, int64_t n,
-                        double scale);
+                        double scale, Store store);
 
 // dst[i] = DstT(srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]), summed left to right in float
 // (double for Float64), so every caller that passes the same sources in the same order gets the
 // same bits whatever the instruction set. dst may alias srcs[k] element for element.
 using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                          int64_t n);
+                          int64_t n, Store store);
 
 struct Kernels {
   const char* isa;

@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
 #include "kernel_dispatch.h"
 
 #define DDPX_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -24,9 +26,7 @@ DDPX_AVX2 inline __m256 load8(const Float16* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-DDPX_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-
-DDPX_AVX2 inline void store8(BFloat16* p, __m256 v) {
+DDPX_AVX2 inline __m128i bfloat16x8(__m256 v) {
   // Round to nearest even on the bit pattern, exactly as from_float<BFloat16> does; NaN -> 0x7fc0.
   const __m256i x = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
@@ -34,25 +34,84 @@ DDPX_AVX2 inline void store8(BFloat16* p, __m256 v) {
   r = _mm256_srli_epi32(r, 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
 }
 
+// Streaming stores need dst aligned to the vector (32 bytes for float, 16 for the halves).
+template <bool Stream>
+DDPX_AVX2 inline void store8(float* p, __m256 v) {
+  if constexpr (Stream) {
+    _mm256_stream_ps(p, v);
+  } else {
+    _mm256_storeu_ps(p, v);
+  }
+}
+
+template <bool Stream>
+DDPX_AVX2 inline void store8_bits(void* p, __m128i bits) {
+  if constexpr (Stream) {
+    _mm_stream_si128(static_cast<__m128i*>(p), bits);
+  } else {
+    _mm_storeu_si128(static_cast<__m128i*>(p), bits);
+  }
+}
+
+template <bool Stream>
+DDPX_AVX2 inline void store8(BFloat16* p, __m256 v) {
+  store8_bits<Stream>(p, bfloat16x8(v));
+}
+
+template <bool Stream>
 DDPX_AVX2 inline void store8(Float16* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  store8_bits<Stream>(p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Elements to write with scalar stores before dst reaches a 32-byte boundary.
+template <class D>
+int64_t head_to_align(const D* dst, int64_t n) {
+  const auto misalign = reinterpret_cast<uintptr_t>(dst) % 32;
+  if (misalign == 0) return 0;
+  if (misalign % sizeof(D) != 0) return n;  // never aligns: everything takes the scalar path
+  return std::min<int64_t>(n, int64_t((32 - misalign) / sizeof(D)));
 }
 
 struct Avx2Loops {
   template <class D, class S>
-  DDPX_AVX2 static void pack(D* dst, const S* src, int64_t n, float scale) {
-    const __m256 s = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_mul_ps(load8(src + i), s));
-    ScalarLoops::pack(dst + i, src + i, n - i, scale);
+  static void pack(D* dst, const S* src, int64_t n, float scale, Store store) {
+    if (store == Store::Streaming) {
+      const int64_t head = head_to_align(dst, n);
+      ScalarLoops::pack(dst, src, head, scale);
+      pack_body<true>(dst + head, src + head, n - head, scale);
+      _mm_sfence();
+    } else {
+      pack_body<false>(dst, src, n, scale);
+    }
   }
 
   template <class D, class S>
-  DDPX_AVX2 static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n) {
+  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, Store store) {
+    if (store == Store::Streaming) {
+      const int64_t head = head_to_align(dst, n);
+      ScalarLoops::reduce(dst, srcs, nsrc, head);
+      const S* rest[kMaxSources];
+      for (int k = 0; k < nsrc; ++k) rest[k] = srcs[k] + head;
+      reduce_body<true>(dst + head, rest, nsrc, n - head);
+      _mm_sfence();
+    } else {
+      reduce_body<false>(dst, srcs, nsrc, n);
+    }
+  }
+
+  template <bool Stream, class D, class S>
+  DDPX_AVX2 static void pack_body(D* dst, const S* src, int64_t n, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8<Stream>(dst + i, _mm256_mul_ps(load8(src + i), s));
+    ScalarLoops::pack(dst + i, src + i, n - i, scale);
+  }
+
+  template <bool Stream, class D, class S>
+  DDPX_AVX2 static void reduce_body(D* dst, const S* const* srcs, int nsrc, int64_t n) {
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
       const S* s0 = srcs[0] + i;
@@ -64,18 +123,18 @@ struct Avx2Loops {
         a2 = _mm256_add_ps(a2, load8(s + 16));
         a3 = _mm256_add_ps(a3, load8(s + 24));
       }
-      store8(dst + i, a0);
-      store8(dst + i + 8, a1);
-      store8(dst + i + 16, a2);
-      store8(dst + i + 24, a3);
+      store8<Stream>(dst + i, a0);
+      store8<Stream>(dst + i + 8, a1);
+      store8<Stream>(dst + i + 16, a2);
+      store8<Stream>(dst + i + 24, a3);
     }
     for (; i + 8 <= n; i += 8) {
       __m256 a = load8(srcs[0] + i);
       for (int k = 1; k < nsrc; ++k) a = _mm256_add_ps(a, load8(srcs[k] + i));
-      store8(dst + i, a);
+      store8<Stream>(dst + i, a);
     }
     if (i == n) return;
-    const S* tails[64];
+    const S* tails[kMaxSources];
     for (int k = 0; k < nsrc; ++k) tails[k] = srcs[k] + i;
     ScalarLoops::reduce(dst + i, tails, nsrc, n - i);
   }

@@ -31,6 +31,7 @@ constexpr size_t kPage = 4096;
 // while one of them last ran on its own CPU: spinning there would only delay that rank.
 constexpr auto kPollFor = std::chrono::microseconds(1000);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
+constexpr size_t kStreamBytes = size_t(8) << 20;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -360,6 +361,9 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
   const bool one_shot = size_t(numel) * wire_size <= one_shot_bytes_;
   const int n = layout_.nranks;
+  // Results larger than the last-level cache go out with streaming stores.
+  const Store out_store =
+      size_t(numel) * data_size >= kStreamBytes ? Store::Streaming : Store::Cached;
   const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale};
   const void* srcs[kMaxLocalRanks];
 
@@ -369,13 +373,13 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     const int64_t count = std::max<int64_t>(0, std::min(per_block, numel - offset));
     char* local = static_cast<char*>(data) + size_t(offset) * data_size;
     if (b == 0) control_[me_].meta[step & 1] = mine;
-    if (count > 0) k.pack(input_slot(me_, step), wire, local, dtype, count, scale);
+    if (count > 0) k.pack(input_slot(me_, step), wire, local, dtype, count, scale, Store::Cached);
     publish(Phase::Arrive, step);
     wait_all(Phase::Arrive, step, what);
     if (b == 0) check_peers_agree(mine, what);
     if (one_shot) {
       for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step);
-      k.reduce(local, dtype, srcs, n, wire, count);
+      k.reduce(local, dtype, srcs, n, wire, count, out_store);
       continue;
     }
     // Slices are whole cache lines, so no two ranks write the same line of the output slot.
@@ -384,10 +388,11 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     const int64_t lo = std::min<int64_t>(count, me_ * slice);
     const int64_t hi = std::min<int64_t>(count, lo + slice);
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
-    k.reduce(output_slot(step) + size_t(lo) * acc_size, acc, srcs, n, wire, hi - lo);
+    k.reduce(output_slot(step) + size_t(lo) * acc_size, acc, srcs, n, wire, hi - lo,
+             Store::Cached);
     publish(Phase::Reduce, step);
     wait_all(Phase::Reduce, step, what);
-    k.pack(local, dtype, output_slot(step), acc, count, 1.0);
+    k.pack(local, dtype, output_slot(step), acc, count, 1.0, out_store);
   }
 }
 

@@ -20,7 +20,7 @@
 
 namespace ddpx {
 
-constexpr int kMaxLocalRanks = 64;
+constexpr int kMaxLocalRanks = kMaxSources;
 
 // A mapped POSIX shared-memory segment. The creator reserves its pages up front (fallocate), so a
 // full /dev/shm fails here with a message instead of a SIGBUS later.

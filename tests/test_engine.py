@@ -15,7 +15,7 @@ from distributed import run_ranks
 # several blocks (and partial last blocks) from 64 KiB on.
 SMALL_BLOCKS = {"DDPX_BLOCK_KB": "64", "DDPX_ONE_SHOT_KB": "16"}
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-SIZES = [0, 1, 3, 17, 4095, 4096, 4097, 16383, 16385, 65537, 262147, 1_000_003]
+SIZES = [0, 1, 3, 17, 4095, 4096, 4097, 16383, 16385, 65537, 262147, 2_100_003]
 # Relative half-ulp of each dtype: the one rounding of the float32 sum into the result's dtype.
 HALF_ULP = {torch.float32: 2.0**-24, torch.float64: 2.0**-53, torch.bfloat16: 2.0**-8,
             torch.float16: 2.0**-11}

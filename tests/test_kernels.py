@@ -1,6 +1,7 @@
 """The element kernels against plain torch: the fused scale-and-cast must round exactly as torch's
 own conversion does (round to nearest even, once), and the reduction must sum the sources in
-order in float32, bit for bit, with every instruction set this CPU has."""
+order in float32, bit for bit, with every instruction set this CPU has, through the cache or
+with streaming stores, from any output alignment."""
 
 import pytest
 import torch
@@ -62,15 +63,21 @@ def test_kernels_chosen_for_this_cpu():
     assert "portable" in ISAS
 
 
+def output(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
+    """An output tensor starting `offset` elements past an allocation's (aligned) start."""
+    return torch.empty(n + offset, dtype=dtype)[offset:]
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("src_dtype", HALF_AND_FLOAT)
 @pytest.mark.parametrize("dst_dtype", HALF_AND_FLOAT)
 @pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
-def test_pack_rounds_like_torch(isa, src_dtype, dst_dtype, scale):
+@pytest.mark.parametrize("stream", [False, True])
+def test_pack_rounds_like_torch(isa, src_dtype, dst_dtype, scale, stream):
     for n in SIZES:
         src = special_values(n).to(src_dtype)
-        dst = torch.empty(n, dtype=dst_dtype)
-        C.kernel_pack(dst, src, scale, isa)
+        dst = output(n, dst_dtype, offset=n % 5)
+        C.kernel_pack(dst, src, scale, isa, stream)
         assert_same_bits(dst, (src.float() * scale).to(dst_dtype))
 
 
@@ -105,11 +112,12 @@ def reference_sum(srcs, dst_dtype):
 @pytest.mark.parametrize("src_dtype", HALF_AND_FLOAT)
 @pytest.mark.parametrize("dst_dtype", HALF_AND_FLOAT)
 @pytest.mark.parametrize("nsrc", [1, 2, 3, 4, 8])
-def test_reduce_sums_in_order_in_float32(isa, src_dtype, dst_dtype, nsrc):
+@pytest.mark.parametrize("stream", [False, True])
+def test_reduce_sums_in_order_in_float32(isa, src_dtype, dst_dtype, nsrc, stream):
     for n in SIZES:
         srcs = [special_values(n).roll(k).to(src_dtype) * (k + 1) for k in range(nsrc)]
-        dst = torch.empty(n, dtype=dst_dtype)
-        C.kernel_reduce(dst, srcs, isa)
+        dst = output(n, dst_dtype, offset=n % 5)
+        C.kernel_reduce(dst, srcs, isa, stream)
         assert_same_bits(dst, reference_sum(srcs, dst_dtype))
 
 
