@@ -128,8 +128,7 @@ std::string ShmEngine::describe() const {
   const ShmAllreduce& shm = *queue_->shm;
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
       << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
-      << kernels().isa << " kernels"
-      << (shm.oversubscribed() ? ", more ranks than cores: waits yield" : "");
+      << kernels().isa << " kernels";
   return out.str();
 }
 

@@ -16,9 +16,6 @@
 #include <sstream>
 #include <stdexcept>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace ddpx {
 namespace {
@@ -27,21 +24,14 @@ constexpr uint64_t kMagic = 0x3178706464ULL;  // "ddpx1"
 constexpr size_t kPage = 4096;
 // A waiter polls, then sleeps on a futex. Waking a sleeper costs a few hundred microseconds on
 // virtual machines (the idle vCPU is descheduled), so polling about that long first is cheap
-// insurance. It polls with a pause while the ranks it waits for run on other CPUs, and yields
-// while one of them last ran on its own CPU: spinning there would only delay that rank.
+// insurance. It polls with sched_yield (0.3 us here): alone on its CPU that is a spin, and with
+// more threads than CPUs (4 ranks on 2 cores, or the training thread beside the communication
+// thread) it hands the CPU to them, where a pause loop would starve the rank it waits for.
 constexpr auto kPollFor = std::chrono::microseconds(1000);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 std::string system_error(const std::string& what, int err) {
   return "ddpx: " + what + ": " + std::strerror(err);
@@ -62,13 +52,6 @@ bool process_exited(int pid) {
   if (paren == std::string::npos || paren + 2 >= line.size()) return false;
   const char state = line[paren + 2];
   return state == 'Z' || state == 'X';
-}
-
-int usable_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return int(sysconf(_SC_NPROCESSORS_ONLN));
-  return CPU_COUNT(&set);
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
@@ -98,7 +81,6 @@ struct alignas(64) ShmAllreduce::RankControl {
   std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
   char pad1[56];
   CallMeta meta[2];               // per slot parity: what the call starting at that step is
-  std::atomic<int32_t> cpu;      // the CPU this rank last ran on, for waiters that share it
   int32_t pid;
   uint64_t pid_ns;
   char message[512];              // why this rank rejected its input or aborted
@@ -170,8 +152,7 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
       me_(local_rank),
       ranks_(std::move(ranks)),
       one_shot_bytes_(one_shot_bytes),
-      timeout_(timeout),
-      oversubscribed_(layout.nranks > usable_cpus()) {
+      timeout_(timeout) {
   if (layout_.nranks < 1 || layout_.nranks > kMaxLocalRanks || me_ < 0 || me_ >= layout_.nranks ||
       int(ranks_.size()) != layout_.nranks) {
     throw std::invalid_argument("ddpx: bad shared-memory group: local rank " + std::to_string(me_) +
@@ -213,7 +194,6 @@ std::string ShmAllreduce::rank_name(int local) const {
 
 void ShmAllreduce::publish(Phase phase, uint64_t step) {
   auto& counter = phase == Phase::Arrive ? control_[me_].arrived : control_[me_].reduced;
-  control_[me_].cpu.store(sched_getcpu(), std::memory_order_relaxed);
   counter.store(step, std::memory_order_seq_cst);
   // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
   if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
@@ -251,25 +231,11 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
     }
     return true;
   };
-  auto shares_my_cpu = [&] {
-    const int32_t mine = sched_getcpu();
-    for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && behind(r) && control_[r].cpu.load(std::memory_order_relaxed) == mine) {
-        return true;
-      }
-    }
-    return false;
-  };
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  for (uint32_t i = 1;; ++i) {
+  while (Clock::now() - start < kPollFor) {
     if (ready()) return;
-    if (oversubscribed_ || shares_my_cpu()) {
-      sched_yield();
-    } else {
-      cpu_relax();
-    }
-    if (i % 32 == 0 && Clock::now() - start > kPollFor) break;
+    sched_yield();
   }
   const auto deadline = start + timeout_;
   const uint64_t my_ns = control_[me_].pid_ns;

@@ -78,7 +78,6 @@ class ShmAllreduce {
   int local_rank() const { return me_; }
   int local_size() const { return layout_.nranks; }
   size_t block_bytes() const { return layout_.block_bytes; }
-  bool oversubscribed() const { return oversubscribed_; }
 
  private:
   struct Header;
@@ -101,7 +100,6 @@ class ShmAllreduce {
   std::vector<int> ranks_;
   size_t one_shot_bytes_;
   std::chrono::milliseconds timeout_;
-  bool oversubscribed_;
   Header* header_;
   RankControl* control_;
   char* data_;
