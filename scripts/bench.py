@@ -1,0 +1,739 @@
+"""Benchmark ddpx against gloo on one machine: the all-reduce alone, and a DDP training step.
+
+Run everything: the script spawns the ranks of each of --world_sizes (default 2,4) itself, gloo
+over a FileStore in a temporary folder, one thread per rank, and they end with it (on an error,
+Ctrl-C, or even SIGKILL). The table goes to stdout, progress to stderr. On 2 cores, about 1.5
+minutes for allreduce and 2.5 for train:
+
+    python scripts/bench.py allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
+    python scripts/bench.py train --json bench_out/train.json --plot bench_out/train.png
+
+Smaller runs:
+
+    python scripts/bench.py allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
+    python scripts/bench.py train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
+
+Under a launcher, the launcher's processes are the ranks and only its world size runs:
+
+    accelerate launch --config_file scripts/configs/cpu.yaml scripts/bench.py allreduce
+    torchrun --nproc_per_node 4 scripts/bench.py allreduce
+
+allreduce: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
+1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
+(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression). Engines that
+do not work here are left out with a note. In each cell (world size, size):
+  - each engine reduces random inputs once and is compared with a float64 sum; a wrong sum stops
+    the run with exit status 1;
+  - then it reduces a zero-filled tensor (repeated in-place sums of zeros stay finite) in batches
+    of calls; each batch starts right after a barrier, and a sample is the slowest rank's mean time
+    per call in the batch;
+  - every engine gets --iters samples, the batches sized so they last --min_time seconds together,
+    and the engines take turns sample by sample so that they share the machine's conditions.
+Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9, and
+x vs gloo = gloo's median / the engine's median (bigger is faster).
+
+train: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
+--batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
+all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
+NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook). The
+models start from the same seed, see the same data and take turns step by step; a sample is one
+step on the slowest rank, started right after a barrier. Reported: median and p10-p90 step time in
+ms, x vs default, and max |diff| of each model's final parameters from the default model's with its
+tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest parameter
+change of the default model) and of the parameters to float32 (64 u_fp32 x the largest parameter).
+Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
+with status 1 after the table.
+"""
+
+import argparse
+import copy
+import ctypes
+import datetime
+import functools
+import hashlib
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16")
+COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
+WIRE = {
+    "gloo": None,
+    "ddpx": None,
+    "ddpx-fp16": "fp16",
+    "ddpx-bf16": "bf16",
+    "default": None,
+    "fp16": "fp16",
+    "bf16": "bf16",
+}
+UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+# How many roundings the final parameters of a hook may differ from the default hook's by.
+PARAM_TOLERANCE_ROUNDINGS = 64
+THREADS_PER_RANK = 1
+PG_TIMEOUT = datetime.timedelta(minutes=5)
+TIMING = {
+    "allreduce": "a sample: the slowest rank's mean time per call in a batch begun after a barrier",
+    "train": "a sample: the slowest rank's time for one step begun after a barrier",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--world_sizes",
+        type=_int_list,
+        default=[2, 4],
+        help="comma-separated world sizes to spawn (default 2,4; a launcher's WORLD_SIZE wins)",
+    )
+    common.add_argument("--json", type=Path, help="write the results and the machine to this file")
+    common.add_argument("--plot", type=Path, help="draw the results into this PNG")
+    common.add_argument("--seed", type=int, default=0)
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    allreduce = modes.add_parser("allreduce", parents=[common], help="time the all-reduce alone")
+    allreduce.add_argument(
+        "--sizes",
+        type=_size_list,
+        default=_size_list("4K,64K,1M,4M,25M,100M"),
+        help="comma-separated message sizes in bytes, K/M/G suffixes (default 4K,...,100M)",
+    )
+    allreduce.add_argument(
+        "--engines",
+        type=_choice_list(ENGINES),
+        default=list(ENGINES),
+        help=f"comma-separated, from {','.join(ENGINES)} (default all)",
+    )
+    allreduce.add_argument(
+        "--iters", type=int, default=20, help="timed samples per engine and cell"
+    )
+    allreduce.add_argument(
+        "--min_time",
+        type=float,
+        default=1.0,
+        help="seconds the samples of one engine and cell last at least",
+    )
+    allreduce.add_argument(
+        "--warmup", type=int, default=3, help="calls per engine and cell that size its batches"
+    )
+
+    train = modes.add_parser("train", parents=[common], help="time DDP training steps")
+    train.add_argument(
+        "--comm_hooks",
+        type=_choice_list(COMM_HOOKS),
+        default=list(COMM_HOOKS),
+        help=f"comma-separated, from {','.join(COMM_HOOKS)} (default all)",
+    )
+    train.add_argument(
+        "--params",
+        type=_count,
+        default=_count("25M"),
+        help="parameters of the MLP, with K/M suffixes (powers of 1000)",
+    )
+    train.add_argument("--batch_size", type=int, default=16)
+    train.add_argument("--steps", type=int, default=12, help="timed steps per hook")
+    train.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
+    train.add_argument("--lr", type=float, default=0.01)
+    return parser.parse_args(argv)
+
+
+def _suffixed(text: str, base: int) -> int:
+    text = text.strip().upper()
+    exponent = "KMG".find(text[-1:]) + 1
+    return round(float(text[:-1] if exponent else text) * base**exponent)
+
+
+def _size_list(text: str) -> list[int]:
+    sizes = [_suffixed(item, 1024) for item in text.split(",")]
+    if any(size <= 0 or size % 4 for size in sizes):
+        raise argparse.ArgumentTypeError(
+            f"{text}: sizes are positive multiples of 4 bytes (float32)"
+        )
+    return sizes
+
+
+def _count(text: str) -> int:
+    return _suffixed(text, 1000)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",")]
+
+
+def _choice_list(choices):
+    def parse(text: str) -> list[str]:
+        items = text.split(",")
+        unknown = sorted(set(items) - set(choices))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(choices)}")
+        return items
+
+    return parse
+
+
+def main() -> None:
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        result = _launched(args) if "WORLD_SIZE" in os.environ else _spawned(args)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        sys.exit(f"bench.py: rank {exc.error_index} failed:{exc}")
+    except KeyboardInterrupt:
+        sys.exit("bench.py: interrupted")
+    if result is None:
+        return
+    if not result["rows"]:
+        sys.exit(f"bench.py: nothing to measure; left out: {result['left_out']}")
+    report(args, result)
+    if result["failures"]:
+        sys.exit("bench.py: " + "; ".join(result["failures"]))
+
+
+# --- launching the ranks -------------------------------------------------------------------------
+
+
+def _spawned(args) -> dict:
+    """Run each world size in freshly spawned ranks; merge what their rank 0 wrote."""
+    results = []
+    for world_size in args.world_sizes:
+        with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
+            _spawn(world_size, args, workdir)
+            results.append(json.loads(Path(workdir, "result.json").read_text()))
+    return {
+        "rows": [row for result in results for row in result["rows"]],
+        "left_out": {name: why for result in results for name, why in result["left_out"].items()},
+        "notes": list(dict.fromkeys(note for result in results for note in result["notes"])),
+        "failures": [failure for result in results for failure in result["failures"]],
+    }
+
+
+def _spawn(world_size: int, args, workdir: str) -> None:
+    # The ranks inherit an ignored SIGINT: Ctrl-C is the parent's to handle, and it terminates them.
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ranks = mp.start_processes(
+            _spawned_rank, args=(world_size, args, workdir), nprocs=world_size, join=False
+        )
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    try:
+        while not ranks.join():
+            pass
+    finally:
+        for process in ranks.processes:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+        for traceback_file in ranks.error_files:  # torch leaves a failed rank's in /tmp
+            Path(traceback_file).unlink(missing_ok=True)
+
+
+def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
+    _die_with_parent()
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
+    )
+    result = _run_rank(args)
+    if rank == 0:
+        Path(workdir, "result.json").write_text(json.dumps(result))
+
+
+def _die_with_parent() -> None:
+    """Have Linux kill this rank when the parent dies, even by SIGKILL: no rank outlives a run."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl
+            os._exit(1)
+
+
+def _launched(args) -> dict | None:
+    """Run as one rank of a launcher's job (torchrun, accelerate launch): its world size only."""
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    world_size = dist.get_world_size()
+    result = _run_rank(args)
+    if int(os.environ["RANK"]) != 0:
+        return None
+    if args.world_sizes != [world_size]:
+        result["notes"].append(f"launched with WORLD_SIZE={world_size}: only that world size ran")
+    return result
+
+
+def _run_rank(args) -> dict:
+    torch.set_num_threads(THREADS_PER_RANK)
+    try:
+        return {"allreduce": bench_allreduce, "train": bench_train}[args.mode](args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _progress(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _import_ddpx():
+    """The ddpx module, or None and why it cannot be used."""
+    try:
+        import ddpx
+    except ImportError as exc:
+        return None, f"ddpx does not import ({exc})"
+    if not hasattr(ddpx, "all_reduce"):
+        return None, "ddpx is not built (no ddpx.all_reduce)"
+    return ddpx, ""
+
+
+# --- allreduce mode ------------------------------------------------------------------------------
+
+
+def bench_allreduce(args) -> dict:
+    left_out = {}
+    engines = _allreduce_engines(args.engines, left_out)
+    world_size, rows, started = dist.get_world_size(), [], time.perf_counter()
+    for index, size in enumerate(args.sizes):
+        cell = f"world {world_size}, {format_size(size)} (cell {index + 1}/{len(args.sizes)})"
+        _progress(
+            f"{cell}: checking {', '.join(engines)}; {time.perf_counter() - started:.0f} s elapsed"
+        )
+        rows += _bench_cell(size, engines, args, cell)
+    return {"rows": rows, "left_out": left_out, "notes": [], "failures": []}
+
+
+def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
+    """The requested engines that work here, by name; why the others do not goes in `left_out`."""
+    ddpx, why_not = _import_ddpx()
+    engines = {}
+    for name in requested:
+        if name == "gloo":
+            engines[name] = dist.all_reduce
+            continue
+        if ddpx is None:
+            left_out[name] = why_not
+            continue
+        engine = functools.partial(ddpx.all_reduce, compression=WIRE[name])
+        try:
+            engine(torch.ones(8))
+        except NotImplementedError as exc:
+            left_out[name] = str(exc)
+            continue
+        engines[name] = engine
+    return engines
+
+
+def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
+    errors = _check_engines(size, engines, args.seed)
+    zeros = torch.zeros(size // 4)
+    per_call = {
+        name: _seconds_per_call(engine, zeros, args.warmup) for name, engine in engines.items()
+    }
+    calls = {name: max(1, round(args.min_time / args.iters / per_call[name])) for name in engines}
+    expected = sum(max(args.min_time, args.iters * seconds) for seconds in per_call.values())
+    _progress(f"{cell}: timing, about {expected:.1f} s")
+    samples = {name: [] for name in engines}
+    for _ in range(args.iters):
+        for name, engine in engines.items():
+            samples[name].append(_timed_batch(engine, zeros, calls[name]))
+    rows = []
+    for name in engines:
+        stats = _slowest_rank_stats(samples[name])
+        rows.append(
+            {
+                "world_size": dist.get_world_size(),
+                "size_bytes": size,
+                "engine": name,
+                **stats,
+                "gb_per_s": size / stats["median_ms"] / 1e6,
+                "calls_per_sample": calls[name],
+                "samples": args.iters,
+                **errors[name],
+            }
+        )
+    gloo = next((row["median_ms"] for row in rows if row["engine"] == "gloo"), None)
+    for row in rows:
+        row["x_vs_gloo"] = gloo / row["median_ms"] if gloo else None
+    return rows
+
+
+def _check_engines(size: int, engines: dict, seed: int) -> dict:
+    """Reduce random data once with each engine; raise on every rank if any sum is off."""
+    world_size, numel = dist.get_world_size(), size // 4
+    reference = torch.zeros(numel, dtype=torch.float64)
+    for rank in range(world_size):
+        reference += _random_input(seed, rank, numel)
+    mine = _random_input(seed, dist.get_rank(), numel)
+    errors = {}
+    for name, engine in engines.items():
+        result = mine.clone()
+        engine(result)
+        error = torch.tensor([(result.double() - reference).abs().max().item()])
+        error = error.nan_to_num(nan=math.inf)
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        # Inputs lie in [-1, 1), so every partial sum does too times world_size: each of the
+        # world_size + 1 roundings (to the wire, while summing, back to float32) errs by at most
+        # u * world_size.
+        tolerance = (world_size + 1) * UNIT_ROUNDOFF[WIRE[name]] * world_size
+        if not error.item() <= tolerance:
+            raise RuntimeError(
+                f"{name} returned a wrong sum for {format_size(size)} on {world_size} ranks: "
+                f"max abs error {error.item():.3g} > tolerance {tolerance:.3g}"
+            )
+        errors[name] = {"max_abs_error": error.item(), "tolerance": tolerance}
+    return errors
+
+
+def _random_input(seed: int, rank: int, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    return torch.rand(numel, generator=generator) * 2 - 1
+
+
+def _seconds_per_call(engine, tensor: torch.Tensor, calls: int) -> float:
+    """The slowest rank's mean over `calls` calls: the same on every rank, so they plan alike."""
+    seconds = torch.tensor([_timed_batch(engine, tensor, calls)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        engine(tensor)
+    return (time.perf_counter() - start) / calls
+
+
+def _slowest_rank_stats(seconds: list[float]) -> dict:
+    samples = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    p10, median, p90 = torch.quantile(
+        samples * 1e3, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    )
+    return {"median_ms": median.item(), "p10_ms": p10.item(), "p90_ms": p90.item()}
+
+
+# --- train mode ----------------------------------------------------------------------------------
+
+
+def bench_train(args) -> dict:
+    from ddpx.models import MLP
+
+    left_out, failures = {}, []
+    torch.manual_seed(args.seed)
+    initial = MLP.with_params(args.params)
+    models = _hooked_models(initial, args.comm_hooks, left_out)
+    optimizers = {
+        name: torch.optim.SGD(model.parameters(), lr=args.lr) for name, (model, _) in models.items()
+    }
+    batches = _train_batches(initial.width, args)
+    samples = {name: [] for name in models}
+    world_size, started = dist.get_world_size(), time.perf_counter()
+    for step in range(args.warmup + args.steps):
+        if step % 5 == 0:
+            elapsed = time.perf_counter() - started
+            _progress(
+                f"world {world_size}: step {step + 1}/{args.warmup + args.steps} of each of "
+                f"{', '.join(models)}; {elapsed:.0f} s elapsed"
+            )
+        for name, (model, _) in models.items():
+            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
+            if step >= args.warmup:
+                samples[name].append(seconds)
+    rows = _train_rows(initial, models, samples, args, failures)
+    return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
+
+
+def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
+    """A DDP copy of `initial` per hook that works here: name -> (model, what its hook does)."""
+    ddpx, why_not = _import_ddpx()
+    models = {}
+    for name in hooks:
+        if name.startswith("ddpx") and ddpx is None:
+            left_out[name] = why_not
+            continue
+        model = DDP(copy.deepcopy(initial))
+        try:
+            models[name] = model, _register_hook(name, model, ddpx)
+        # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
+        # bf16_compress_hook without NCCL 2.10+ or XCCL.
+        except (NotImplementedError, TypeError) as exc:
+            left_out[name] = str(exc)
+    return models
+
+
+def _register_hook(name: str, model: DDP, ddpx) -> str:
+    """Register the comm hook `name` on `model`; say what it does."""
+    if name == "default":
+        return "DDP's built-in all-reduce"
+    if name.startswith("ddpx"):
+        return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+    hook = getattr(default_hooks, f"{name}_compress_hook")
+    model.register_comm_hook(dist.group.WORLD, hook)
+    return f"torch {hook.__name__}"
+
+
+def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank())
+    return [torch.randn(args.batch_size, width, generator=generator) for _ in range(count)]
+
+
+def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    model(batch).square().mean().backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
+    diffs = _diffs_from_default(initial, models)
+    rows = []
+    for name, (model, describe) in models.items():
+        row = {
+            "world_size": dist.get_world_size(),
+            "hook": name,
+            "describe": describe,
+            "params": sum(p.numel() for p in initial.parameters()),
+            "batch_size": args.batch_size,
+            "steps": args.warmup + args.steps,
+            **_slowest_rank_stats(samples[name]),
+            "ranks_identical": _same_on_all_ranks(model.module),
+            **diffs.get(name, {}),
+        }
+        if not row["ranks_identical"]:
+            failures.append(f"{name}: parameters differ across ranks")
+        if diffs and not row["max_abs_diff"] <= row["tolerance"]:
+            failures.append(
+                f"{name}: parameters {row['max_abs_diff']:.3g} from default's, "
+                f"tolerance {row['tolerance']:.3g}"
+            )
+        rows.append(row)
+    default_ms = next((row["median_ms"] for row in rows if row["hook"] == "default"), None)
+    for row in rows:
+        row["x_vs_default"] = default_ms / row["median_ms"] if default_ms else None
+    return rows
+
+
+def _diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
+    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance."""
+    if "default" not in models:
+        return {}
+    default = models["default"][0].module
+    moved = _max_abs_diff(default, initial)
+    largest = max(p.abs().max().item() for p in default.parameters())
+    diffs = {}
+    for name, (model, _) in models.items():
+        # Gradients are rounded to the wire dtype, and updated parameters to float32.
+        rounding = UNIT_ROUNDOFF[WIRE[name]] * moved + UNIT_ROUNDOFF[None] * largest
+        diffs[name] = {
+            "max_abs_diff": _max_abs_diff(model.module, default),
+            "tolerance": PARAM_TOLERANCE_ROUNDINGS * rounding,
+        }
+    return diffs
+
+
+def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max((p - q).abs().max().item() for p, q in pairs)
+
+
+def _same_on_all_ranks(module: torch.nn.Module) -> bool:
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        digest.update(p.detach().numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    return len(set(digests)) == 1
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def report(args, result: dict) -> None:
+    document = {
+        "mode": args.mode,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": machine(),
+        "settings": {
+            key: str(value) if isinstance(value, Path) else value
+            for key, value in vars(args).items()
+        },
+        "timing": TIMING[args.mode],
+        **result,
+    }
+    print(format_report(document))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        {"allreduce": plot_allreduce, "train": plot_train}[args.mode](document["rows"], args.plot)
+
+
+def machine() -> dict:
+    ddpx, why_not = _import_ddpx()
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads_per_rank": THREADS_PER_RANK,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ddpx": ddpx.build_info() if ddpx else {"unavailable": why_not},
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next(
+        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+        platform.processor(),
+    )
+
+
+def format_report(document: dict) -> str:
+    machine = document["machine"]
+    lines = [
+        f"ddpx bench {document['mode']}: {machine['cpu']}, {machine['cores']} cores, "
+        f"{machine['threads_per_rank']} thread per rank, torch {machine['torch']}",
+        f"timing: {document['timing']}; median and p10-p90 over the samples",
+    ]
+    left_out = {}
+    for name, why in document["left_out"].items():
+        left_out.setdefault(why, []).append(name)
+    lines += [f"note: {', '.join(names)} left out: {why}" for why, names in left_out.items()]
+    lines += [f"note: {note}" for note in document["notes"]]
+    lines.append("")
+    table = {"allreduce": _allreduce_table, "train": _train_table}[document["mode"]]
+    lines += table(document["rows"])
+    return "\n".join(lines)
+
+
+def _allreduce_table(rows: list[dict]) -> list[str]:
+    header = (
+        f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
+        f"{'GB/s':>7}  {'x vs gloo':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
+            f"{row['median_ms']:>10.3f}  {_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
+            f"{_ratio(row['x_vs_gloo']):>9}"
+        )
+    return lines
+
+
+def _train_table(rows: list[dict]) -> list[str]:
+    header = (
+        f"{'world':>5}  {'hook':<10}  {'median ms':>10}  {'p10-p90 ms':>13}  {'x vs default':>12}  "
+        f"{'max |diff|':>10}  {'tolerance':>9}  path"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        diff = (
+            f"{row['max_abs_diff']:>10.2e}  {row['tolerance']:>9.2e}"
+            if "max_abs_diff" in row
+            else f"{'':>21}"
+        )
+        lines.append(
+            f"{row['world_size']:>5}  {row['hook']:<10}  {row['median_ms']:>10.1f}  "
+            f"{_spread(row, 1):>13}  {_ratio(row['x_vs_default']):>12}  {diff}  {row['describe']}"
+        )
+    lines.append(
+        f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "
+        f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
+    )
+    return lines
+
+
+def _spread(row: dict, digits: int) -> str:
+    return f"{row['p10_ms']:.{digits}f}-{row['p90_ms']:.{digits}f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_size(size: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g}{unit}"
+    return f"{size}B"
+
+
+def plot_allreduce(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    sizes = sorted({row["size_bytes"] for row in rows})
+    figure, axes = plt.subplots(
+        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
+    )
+    for ax, world_size in zip(axes[0], world_sizes, strict=True):
+        for engine in dict.fromkeys(row["engine"] for row in rows):
+            cells = [
+                row for row in rows if (row["world_size"], row["engine"]) == (world_size, engine)
+            ]
+            x = [row["size_bytes"] for row in cells]
+            ax.plot(x, [row["median_ms"] for row in cells], marker="o", label=engine)
+            low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+            ax.fill_between(x, low, high, alpha=0.2)
+        ax.set(xscale="log", yscale="log", title=f"{world_size} ranks", xlabel="message size")
+        ax.set_xticks(sizes, [format_size(size) for size in sizes])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("ms per all-reduce (median, p10-p90)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_train(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    hooks = list(dict.fromkeys(row["hook"] for row in rows))
+    width = 0.8 / len(hooks)
+    figure, ax = plt.subplots(figsize=(2 + 1.2 * len(hooks) * len(world_sizes), 4.5))
+    for index, hook in enumerate(hooks):
+        cells = [row for row in rows if row["hook"] == hook]
+        x = [
+            world_sizes.index(row["world_size"]) + (index - (len(hooks) - 1) / 2) * width
+            for row in cells
+        ]
+        medians = [row["median_ms"] for row in cells]
+        below = [row["median_ms"] - row["p10_ms"] for row in cells]
+        above = [row["p90_ms"] - row["median_ms"] for row in cells]
+        ax.bar(x, medians, width, yerr=[below, above], capsize=3, label=hook)
+    ax.set_xticks(range(len(world_sizes)), [f"{ws} ranks" for ws in world_sizes])
+    ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+if __name__ == "__main__":
+    main()

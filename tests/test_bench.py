@@ -1,0 +1,91 @@
+"""Smoke test of scripts/bench.py: both modes end to end on 2 spawned ranks, tiny sizes.
+
+It checks what the benchmark reports and writes, never how fast anything is.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "timing", "rows", "left_out"}
+MACHINE_KEYS = {"cpu", "cores", "threads_per_rank", "torch", "ddpx"}
+
+
+def ddpx_built() -> bool:
+    try:
+        import ddpx
+    except ImportError:
+        return False
+    return hasattr(ddpx, "all_reduce")
+
+
+def run_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """Run bench.py on 2 ranks as a user would; return its JSON document and its stdout."""
+    json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
+    command = [sys.executable, str(BENCH), *args, "--world_sizes", "2"]
+    command += ["--json", str(json_path), "--plot", str(png_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert png_path.read_bytes().startswith(PNG_SIGNATURE)
+    document = json.loads(json_path.read_text())
+    assert DOCUMENT_KEYS <= set(document)
+    assert MACHINE_KEYS <= set(document["machine"])
+    assert document["machine"]["threads_per_rank"] == 1
+    assert document["failures"] == []
+    if ddpx_built():
+        assert "unavailable" not in document["machine"]["ddpx"]
+    return document, done.stdout
+
+
+def check_measured(requested: list[str], measured: list[str], left_out: dict) -> None:
+    """Every requested engine or hook is measured or left out with a reason; ddpx when built."""
+    assert sorted(measured + list(left_out)) == sorted(requested)
+    assert all(left_out.values())
+    if ddpx_built():
+        assert "ddpx" in measured
+
+
+def check_times(row: dict) -> None:
+    assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+
+
+def test_allreduce(tmp_path):
+    engines, sizes = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16"], [4096, 256 * 1024]
+    options = "--sizes 4K,256K --iters 3 --min_time 0.05 --warmup 1".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))
+
+    measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))
+    check_measured(engines, measured, document["left_out"])
+    rows = {(row["size_bytes"], row["engine"]): row for row in document["rows"]}
+    assert sorted(rows) == sorted((size, engine) for size in sizes for engine in measured)
+    for (size, _), row in rows.items():
+        assert row["world_size"] == 2
+        check_times(row)
+        assert row["gb_per_s"] == pytest.approx(size / row["median_ms"] / 1e6)
+        assert row["x_vs_gloo"] == pytest.approx(rows[size, "gloo"]["median_ms"] / row["median_ms"])
+        assert 0 <= row["max_abs_error"] <= row["tolerance"]
+    assert "x vs gloo" in stdout
+    assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
+
+
+def test_train(tmp_path):
+    hooks = ["default", "fp16", "ddpx", "ddpx-bf16"]
+    options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(hooks))
+
+    rows = {row["hook"]: row for row in document["rows"]}
+    check_measured(hooks, list(rows), document["left_out"])
+    assert {"default", "fp16"} <= set(rows)
+    for row in rows.values():
+        assert row["world_size"] == 2
+        check_times(row)
+        assert row["x_vs_default"] == pytest.approx(rows["default"]["median_ms"] / row["median_ms"])
+        assert row["ranks_identical"]
+        assert 0 <= row["max_abs_diff"] <= row["tolerance"]
+    assert rows["default"]["max_abs_diff"] == 0
+    assert "x vs default" in stdout
