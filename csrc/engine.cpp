@@ -16,6 +16,9 @@ std::optional<DType> to_dtype(at::ScalarType t) {
   }
 }
 
+// torch's name of a dtype ("int64", not ScalarType's "Long"), as users wrote it.
+std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }
+
 // Why the shared-memory engine cannot take this tensor, or an empty string.
 std::string invalid_input(const at::Tensor& tensor, const Request& request) {
   std::ostringstream why;
@@ -28,14 +31,15 @@ std::string invalid_input(const at::Tensor& tensor, const Request& request) {
     why << "ddpx: " << request.what << " is not contiguous (strides " << tensor.strides()
         << "): pass tensor.contiguous() and copy the result back";
   } else if (!to_dtype(tensor.scalar_type())) {
-    why << "ddpx: " << request.what << " has dtype " << tensor.scalar_type()
+    why << "ddpx: " << request.what << " has dtype " << dtype_name(tensor.scalar_type())
         << "; ddpx reduces float32, float64, bfloat16 and float16 (use torch.distributed.all_reduce "
            "for other dtypes)";
   } else if (request.wire && !to_dtype(*request.wire)) {
-    why << "ddpx: compression to " << *request.wire << " is not supported";
+    why << "ddpx: compression to " << dtype_name(*request.wire) << " is not supported";
   } else if (request.wire && (*request.wire == at::kDouble) != (tensor.scalar_type() == at::kDouble)) {
-    why << "ddpx: " << request.what << " is " << tensor.scalar_type() << " and cannot travel as "
-        << *request.wire << "; compress float32/bfloat16/float16 data only";
+    why << "ddpx: " << request.what << " is " << dtype_name(tensor.scalar_type())
+        << " and cannot travel as " << dtype_name(*request.wire)
+        << "; compress float32/bfloat16/float16 data only";
   }
   return why.str();
 }
