@@ -2,7 +2,11 @@
 
     pip install --no-build-isolation -e .
 
-Environment: DDPX_SKIP_CUDA=1 builds the C++ extension only; DEBUG=1 builds without optimisation.
+The CUDA kernels are compiled too where torch is a CUDA build and a CUDA toolkit is found
+(CUDA_HOME, else /usr/local/cuda); no GPU is needed to build them.
+
+Environment: DDPX_SKIP_CUDA=1 builds the C++ extension only; DEBUG=1 builds without optimisation;
+TORCH_CUDA_ARCH_LIST replaces the GPU architectures compiled for (ddpx/_buildspec.py lists them).
 """
 
 import os
@@ -13,7 +17,8 @@ from setuptools import setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension
+    from torch.utils import cpp_extension
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 except ImportError:
     sys.exit(
         "ddpx: torch is not importable in this build environment. ddpx's extension must be compiled "
@@ -25,18 +30,34 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = runpy.run_path(os.path.join(HERE, "ddpx", "_buildspec.py"))
 
 
+def _debug(flags):
+    if os.environ.get("DEBUG") != "1":
+        return flags
+    return [f for f in flags if not f.startswith("-O")] + ["-O0", "-g"]
+
+
 def get_extensions():
-    flags = SPEC["cxx_flags"](torch.__version__)
-    if os.environ.get("DEBUG") == "1":
-        flags = [f for f in flags if not f.startswith("-O")] + ["-O0", "-g"]
+    flags = _debug(SPEC["cxx_flags"](torch.__version__))
     sources = [os.path.join("csrc", name) for name in SPEC["CPP_SOURCES"]]
-    return [CppExtension("ddpx._C", sources, extra_compile_args={"cxx": flags})]
+    toolkit = SPEC["cuda_toolkit"](torch.version.cuda, cpp_extension.CUDA_HOME)
+    if toolkit is None:
+        if torch.version.cuda is not None and os.environ.get("DDPX_SKIP_CUDA") != "1":
+            print(f"ddpx: torch {torch.__version__} is a CUDA build but no CUDA toolkit (bin/nvcc "
+                  "and include/cuda_runtime.h) is under CUDA_HOME or /usr/local/cuda; building "
+                  "without the CUDA kernels (set CUDA_HOME to build them)", file=sys.stderr)
+        return [CppExtension("ddpx._C", sources, extra_compile_args={"cxx": flags})]
+    # The extension's include and library paths and its nvcc all come from this global.
+    cpp_extension.CUDA_HOME = toolkit
+    sources += [os.path.join("csrc", name) for name in SPEC["CUDA_SOURCES"]]
+    flags += SPEC["cuda_cxx_flags"](os.path.dirname(torch.__file__))
+    nvcc = _debug(SPEC["nvcc_flags"]())
+    return [CUDAExtension("ddpx._C", sources, extra_compile_args={"cxx": flags, "nvcc": nvcc})]
 
 
 setup(
     packages=["ddpx", "ddpx.csrc"],
     package_dir={"ddpx.csrc": "csrc"},
-    package_data={"ddpx.csrc": ["*.h", "*.cpp", "*.cu"]},
+    package_data={"ddpx.csrc": ["*.h", "*.cpp", "cuda/*.h", "cuda/*.cpp", "cuda/*.cu"]},
     ext_modules=get_extensions(),
     cmdclass={"build_ext": BuildExtension},
 )

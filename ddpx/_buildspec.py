@@ -1,7 +1,11 @@
 """What ddpx._C is built from, shared by setup.py and the loader's build at first use.
 
-Kept free of imports from ddpx so that setup.py can read it before the package exists.
+Kept free of imports from ddpx (and of torch) so that setup.py can read it before the package
+exists.
 """
+
+import glob
+import os
 
 CPP_SOURCES = (
     "kernels.cpp",
@@ -11,8 +15,54 @@ CPP_SOURCES = (
     "bindings.cpp",
 )
 
+# Built only where CUDA is usable (see cuda_toolkit): kernels that include CUDA headers only, and
+# the torch glue around them.
+CUDA_SOURCES = (
+    "cuda/compress_kernels.cu",
+    "cuda/cuda_engine.cpp",
+)
+
+# GPUs compiled for unless TORCH_CUDA_ARCH_LIST says otherwise: Ampere, Ada and Hopper, plus
+# Hopper's PTX, which newer GPUs compile when the extension loads.
+CUDA_ARCHS = ("80", "86", "89", "90")
+
 
 def cxx_flags(torch_version: str) -> list[str]:
     # Portable code only: the AVX2 kernels carry their own target attributes and are chosen at
-    # run time, so the build never uses -march=native.
-    return ["-O3", "-std=c++17", "-Wall", f"-DDDPX_TORCH_VERSION={torch_version}"]
+    # run time, so the build never uses -march=native. No -std: torch.utils.cpp_extension adds
+    # the standard its headers need (C++20 from torch 2.14 on, whose headers reject C++17).
+    return ["-O3", "-Wall", f"-DDDPX_TORCH_VERSION={torch_version}"]
+
+
+def cuda_toolkit(torch_cuda: str | None, guess: str | None) -> str | None:
+    """The CUDA toolkit to compile the CUDA sources with, or None for a C++-only build.
+
+    None when DDPX_SKIP_CUDA=1 or torch is a CPU build (``torch_cuda``: torch.version.cuda); a
+    GPU is not needed. ``guess`` is torch.utils.cpp_extension.CUDA_HOME, which is /usr/local when
+    nvcc is a wrapper script in /usr/local/bin, so /usr/local/cuda is tried after it.
+    """
+    if os.environ.get("DDPX_SKIP_CUDA") == "1" or torch_cuda is None:
+        return None
+    for home in (guess, "/usr/local/cuda"):
+        if (home and os.path.isfile(os.path.join(home, "bin", "nvcc"))
+                and os.path.isfile(os.path.join(home, "include", "cuda_runtime.h"))):
+            return home
+    return None
+
+
+def cuda_cxx_flags(torch_dir: str) -> list[str]:
+    """C++ flags added for a CUDA build; ``torch_dir`` is the folder of the torch package."""
+    # pip's CUDA wheels carry headers that a bare toolkit may lack (cusparse.h, which
+    # ATen/cuda/CUDAContext.h includes); searched after the toolkit's own, so those win.
+    wheel_headers = sorted(glob.glob(os.path.join(os.path.dirname(torch_dir), "nvidia", "*",
+                                                  "include")))
+    return ["-DDDPX_WITH_CUDA"] + [f"-idirafter{path}" for path in wheel_headers]
+
+
+def nvcc_flags() -> list[str]:
+    # No --use_fast_math: the kernels must round exactly as torch does. No -std, as for C++.
+    flags = ["-O3"]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        flags += [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in CUDA_ARCHS]
+        flags.append(f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}")
+    return flags

@@ -1,5 +1,6 @@
 """Loads the extension ddpx._C: the one pip built, or, when it is missing or was built for another
-torch, a build made once at first use with torch.utils.cpp_extension and cached on disk."""
+torch, a build made once at first use with torch.utils.cpp_extension and cached on disk (with the
+CUDA kernels where setup.py would compile them)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from types import ModuleType
 
 import torch
 
-from ddpx._buildspec import CPP_SOURCES, cxx_flags
+from ddpx._buildspec import (
+    CPP_SOURCES,
+    CUDA_SOURCES,
+    cuda_cxx_flags,
+    cuda_toolkit,
+    cxx_flags,
+    nvcc_flags,
+)
 
 logger = logging.getLogger("ddpx")
 
@@ -35,7 +43,7 @@ def _cache_dir(sources: list[Path], flags: list[str]) -> Path:
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.read_bytes())
-    for header in sorted(sources[0].parent.glob("*.h")):
+    for header in sorted(sources[0].parent.rglob("*.h")):
         digest.update(header.read_bytes())
     digest.update(" ".join(flags).encode())
     root = Path(os.environ.get("DDPX_CACHE_DIR", Path.home() / ".cache" / "ddpx"))
@@ -57,7 +65,15 @@ def _build(reason: str) -> ModuleType:
     source_dir = _source_dir()
     sources = [source_dir / name for name in CPP_SOURCES]
     flags = cxx_flags(torch.__version__)
-    build_dir = _cache_dir(sources, flags)
+    cuda_flags = []
+    toolkit = cuda_toolkit(torch.version.cuda, cpp_extension.CUDA_HOME)
+    if toolkit is not None:
+        # The build's include and library paths and its nvcc all come from this global.
+        cpp_extension.CUDA_HOME = toolkit
+        sources += [source_dir / name for name in CUDA_SOURCES]
+        flags += cuda_cxx_flags(os.path.dirname(torch.__file__))
+        cuda_flags = nvcc_flags()
+    build_dir = _cache_dir(sources, flags + cuda_flags)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("ddpx_C*.so")):
         logger.warning("ddpx: %s; building it once into %s", reason, build_dir)
@@ -65,6 +81,7 @@ def _build(reason: str) -> ModuleType:
         name="ddpx_C",
         sources=[str(s) for s in sources],
         extra_cflags=flags,
+        extra_cuda_cflags=cuda_flags,
         build_directory=str(build_dir),
         verbose=False,
     )

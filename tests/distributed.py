@@ -1,5 +1,6 @@
 """Runs a test body on several ranks at once: one spawned process per rank, a gloo process group
-over a FileStore in a temporary folder, results (or the first error) back to the test."""
+(or NCCL, one GPU per rank) over a FileStore in a temporary folder, results (or the first error)
+back to the test."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank, world_size, store_path, fn, args, results, env):
+def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size)
         # Plain pickle copies tensors into the message; the queue's own pickler would share
         # their memory with the parent, which breaks once this process exits.
@@ -35,7 +38,8 @@ def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None):
+def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,
+              backend: str = "gloo"):
     """Runs fn(rank, world_size, *args) on world_size ranks; returns the results by rank.
 
     Raises AssertionError with a rank's traceback when any rank fails, when the ranks leave a
@@ -48,7 +52,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main,
-                             args=(r, world_size, store_path, fn, args, results, env or {}))
+                             args=(r, world_size, store_path, fn, args, results, env or {},
+                                   backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,219 @@
+// The engine for CUDA buckets, built only where CUDA is usable. Without compression a bucket is
+// one all-reduce of the process group with the 1/world_size scale fused into it (NCCL's
+// premultiplied sum). With bf16/fp16 on the wire, and for bf16/fp16 buckets, it is
+//   scale_cast (bucket -> staged, in the wire dtype)  -> all-to-all of slices
+//   -> sum_slices (each rank sums its slice of every rank in float32, rounds once)
+//   -> all-gather of the sums -> scale_cast with scale 1 (staged -> bucket),
+// the same bytes on the wire as torch's bf16_compress_hook with one rounding of the sum instead of
+// world_size - 1. Kernels and collectives are ordered on the current stream; the host never waits.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+#include <torch/version.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "../engine.h"
+#include "compress_kernels.h"
+
+namespace ddpx {
+namespace {
+
+namespace py = pybind11;
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+// Elements per slice are a multiple of this, so every slice starts on a 16-byte boundary and the
+// kernels take their vector path.
+constexpr int64_t kSliceAlign = 8;
+
+std::optional<cuda::WireType> wire_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return cuda::WireType::Float32;
+    case at::kBFloat16: return cuda::WireType::BFloat16;
+    case at::kHalf: return cuda::WireType::Float16;
+    default: return std::nullopt;
+  }
+}
+
+cuda::WireType kernel_type(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "ddpx: ", name, " must be a CUDA tensor, got one on ", t.device());
+  const auto type = wire_type(t.scalar_type());
+  TORCH_CHECK(type, "ddpx: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  return *type;
+}
+
+// torch 2.13 renamed the single-tensor collectives and deprecated the old names.
+c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in, std::chrono::milliseconds timeout) {
+  std::vector<int64_t> equal_splits;
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+  return group.all_to_all_single(out, in, equal_splits, equal_splits, opts);
+#else
+  return group.alltoall_base(out, in, equal_splits, equal_splits, opts);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in, std::chrono::milliseconds timeout) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+  return group.all_gather_single(out, in, opts);
+#else
+  return group._allgather_base(out, in, opts);
+#endif
+}
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+      : group_(std::move(group)),
+        timeout_(timeout),
+        backend_(group_->getBackend(c10::DeviceType::CUDA)->getBackendName()) {}
+
+  FuturePtr run_async(at::Tensor tensor, Request request) override {
+    const at::ScalarType wire = checked_wire(tensor, request);
+    const c10::cuda::CUDAGuard device(tensor.device());
+    if (tensor.numel() == 0) return completed(tensor);
+    if (wire == at::kFloat || wire == at::kDouble) return allreduce_scaled(tensor, request.scale);
+    return allreduce_compressed(tensor, wire, request.scale);
+  }
+
+  void run(at::Tensor tensor, const Request& request) override {
+    // For a CUDA future this makes the current stream wait; the host goes on.
+    run_async(std::move(tensor), request)->waitAndThrow();
+  }
+
+  std::string describe() const override {
+    return "ddpx CUDA engine (" + backend_ + "): " +
+           (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
+           " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather";
+  }
+
+ private:
+  static at::ScalarType checked_wire(const at::Tensor& tensor, const Request& request) {
+    TORCH_CHECK(tensor.defined(), "ddpx: ", request.what, " got an undefined tensor");
+    TORCH_CHECK(tensor.is_cuda(), "ddpx: the CUDA engine reduces CUDA tensors, ", request.what,
+                " is on ", tensor.device(), "; reduce it with the engine of its device");
+    TORCH_CHECK(tensor.is_contiguous(), "ddpx: ", request.what, " is not contiguous (strides ",
+                tensor.strides(), "): pass tensor.contiguous() and copy the result back");
+    const at::ScalarType dtype = tensor.scalar_type();
+    TORCH_CHECK(dtype == at::kDouble || wire_type(dtype), "ddpx: ", request.what, " has dtype ",
+                dtype, "; ddpx reduces float32, float64, bfloat16 and float16 (use "
+                "torch.distributed.all_reduce for other dtypes)");
+    const at::ScalarType wire = request.wire.value_or(dtype);
+    if (wire == at::kFloat || wire == at::kDouble) {
+      TORCH_CHECK(wire == dtype, "ddpx: ", request.what, " is ", dtype, " and cannot travel as ",
+                  wire, " on the GPU path; send it in its own dtype, bfloat16 or float16");
+    } else {
+      TORCH_CHECK(wire_type(wire), "ddpx: compression to ", wire, " is not supported");
+      TORCH_CHECK(dtype != at::kDouble, "ddpx: ", request.what, " is float64 and cannot travel as ",
+                  wire, "; compress float32/bfloat16/float16 data only");
+    }
+    return wire;
+  }
+
+  // A future that completes when the work queued so far on the current stream is done.
+  static FuturePtr completed(const at::Tensor& tensor) {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(
+        c10::TensorType::get(), std::vector<c10::Device>{tensor.device()});
+    future->markCompleted(c10::IValue(tensor));
+    return future;
+  }
+
+  FuturePtr allreduce_scaled(at::Tensor tensor, double scale) {
+    c10d::AllreduceOptions opts;
+    opts.timeout = timeout_;
+    if (scale != 1.0 && backend_ == "nccl") {
+      opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
+      opts.reduceOp.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(scale);
+    } else if (scale != 1.0) {
+      tensor.mul_(scale);
+    }
+    std::vector<at::Tensor> tensors{tensor};
+    auto work = group_->allreduce(tensors, opts);
+    return work->getFuture()->then(
+        [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
+  }
+
+  FuturePtr allreduce_compressed(at::Tensor tensor, at::ScalarType wire, double scale) {
+    const int64_t world = group_->getSize();
+    const int64_t me = group_->getRank();
+    const int64_t n = tensor.numel();
+    const int64_t slice = (n + world * kSliceAlign - 1) / (world * kSliceAlign) * kSliceAlign;
+    const cuda::WireType bucket_type = *wire_type(tensor.scalar_type());
+    const cuda::WireType wire_t = *wire_type(wire);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+    // Both buffers come from the caching allocator on the current stream; the waits below put
+    // every later use of them on that stream, so they are freed safely when this returns.
+    at::Tensor staged = at::empty({slice * world}, tensor.options().dtype(wire));
+    at::Tensor exchanged = at::empty_like(staged);
+    C10_CUDA_CHECK(cuda::scale_cast(staged.data_ptr(), wire_t, tensor.data_ptr(), bucket_type, n,
+                                    float(scale), stream));
+    // The padding travels and is summed like the data, then dropped; zeroed so that nothing
+    // reads uninitialized memory.
+    staged.narrow(0, n, slice * world - n).zero_();
+    // wait() makes the current stream wait for the collective; it does not block the host.
+    all_to_all(*group_, exchanged, staged, timeout_)->wait();
+
+    // exchanged holds this rank's slice from every rank, in rank order; the sum goes where
+    // this rank's slice sits in staged, and the all-gather fills in the others' in place.
+    at::Tensor mine = staged.narrow(0, me * slice, slice);
+    C10_CUDA_CHECK(cuda::sum_slices(mine.data_ptr(), exchanged.data_ptr(), wire_t, world, slice,
+                                    slice, stream));
+    all_gather(*group_, staged, mine, timeout_)->wait();
+
+    C10_CUDA_CHECK(cuda::scale_cast(tensor.data_ptr(), bucket_type, staged.data_ptr(), wire_t, n,
+                                    1.0f, stream));
+    return completed(tensor);
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::chrono::milliseconds timeout_;
+  std::string backend_;
+};
+
+}  // namespace
+
+void bind_cuda(py::module& m) {
+  m.def("make_cuda_engine",
+        [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::optional<double> timeout_s) {
+          const auto timeout = timeout_s ? std::chrono::milliseconds(int64_t(*timeout_s * 1000.0))
+                                         : c10d::kUnsetTimeout;
+          return std::shared_ptr<Engine>(std::make_shared<CudaEngine>(std::move(group), timeout));
+        },
+        py::arg("group"), py::arg("timeout_s") = py::none());
+
+  // The kernels alone, on the current stream, for the tests that hold them against torch.
+  m.def("cuda_scale_cast", [](at::Tensor dst, const at::Tensor& src, double scale) {
+    const cuda::WireType dst_type = kernel_type(dst, "dst");
+    const cuda::WireType src_type = kernel_type(src, "src");
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "ddpx: pass contiguous tensors");
+    TORCH_CHECK(dst.numel() == src.numel() && dst.device() == src.device(),
+                "ddpx: dst and src must have the same size and device");
+    const c10::cuda::CUDAGuard device(dst.device());
+    C10_CUDA_CHECK(cuda::scale_cast(dst.data_ptr(), dst_type, src.data_ptr(), src_type, src.numel(),
+                                    float(scale), at::cuda::getCurrentCUDAStream()));
+  }, py::arg("dst"), py::arg("src"), py::arg("scale"));
+
+  m.def("cuda_sum_slices", [](at::Tensor dst, const at::Tensor& src) {
+    const cuda::WireType type = kernel_type(dst, "dst");
+    TORCH_CHECK(src.dim() == 2 && src.size(0) >= 1 && src.stride(1) == 1 &&
+                    src.stride(0) >= src.size(1),
+                "ddpx: src must be a (slices, n) tensor whose rows are contiguous and disjoint");
+    TORCH_CHECK(dst.is_contiguous() && dst.numel() == src.size(1) &&
+                    src.scalar_type() == dst.scalar_type() && src.device() == dst.device(),
+                "ddpx: dst must be contiguous, with n elements of src's dtype on src's device");
+    const c10::cuda::CUDAGuard device(dst.device());
+    C10_CUDA_CHECK(cuda::sum_slices(dst.data_ptr(), src.data_ptr(), type, src.size(0),
+                                    src.stride(0), src.size(1), at::cuda::getCurrentCUDAStream()));
+  }, py::arg("dst"), py::arg("src"));
+}
+
+}  // namespace ddpx
