@@ -8,6 +8,7 @@ import os
 import pickle
 import queue
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -58,13 +59,21 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None
         for p in procs:
             p.start()
         outcome = {}
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
+            while len(outcome) < world_size:
+                missing = [r for r in range(world_size) if r not in outcome]
+                exited = not any(procs[r].is_alive() for r in missing)
                 try:
-                    rank, status, value = results.get(timeout=timeout)
+                    # Once every missing rank has exited, whatever it sent is already queued.
+                    rank, status, value = results.get(timeout=1.0 if exited else 0.2)
                 except queue.Empty:
-                    missing = sorted(set(range(world_size)) - set(outcome))
-                    raise AssertionError(f"ranks {missing} did not finish in {timeout} s") from None
+                    if exited:
+                        break  # they exited without a word: reported below
+                    if time.monotonic() > deadline:
+                        raise AssertionError(
+                            f"ranks {missing} did not finish in {timeout} s") from None
+                    continue
                 outcome[rank] = (status, value)
                 if status == "error":
                     break

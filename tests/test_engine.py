@@ -203,8 +203,8 @@ def dead_peer(rank, world):
 
 
 def test_a_dead_peer_is_an_error_not_a_hang():
-    with pytest.raises(AssertionError, match="ranks \\[1\\] did not finish|only ranks \\[0\\]"):
-        run_ranks(dead_peer, 2, timeout=20)
+    with pytest.raises(AssertionError, match="only ranks \\[0\\] of 2 reported"):
+        run_ranks(dead_peer, 2, timeout=60)
 
 
 def test_needs_an_initialized_process_group():
