@@ -32,6 +32,19 @@ inline void require_float64_pair(DType a, DType b) {
   }
 }
 
+// Calls fn(D*, S*) with null pointers of the element types of a (dst, src) pair of the float
+// kinds the vector loops take (float64 is handled before it gets here).
+template <class Fn>
+void dispatch_float_pair(DType dst_t, DType src_t, Fn&& fn) {
+  dispatch_dtype(dst_t, [&](auto* d) {
+    dispatch_dtype(src_t, [&](auto* s) {
+      using D = std::remove_pointer_t<decltype(d)>;
+      using S = std::remove_pointer_t<decltype(s)>;
+      if constexpr (!std::is_same_v<D, double> && !std::is_same_v<S, double>) fn(d, s);
+    });
+  });
+}
+
 template <class Loops>
 void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double scale,
                    Store store) {
@@ -44,15 +57,11 @@ void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t
     if (dst != src) std::memmove(dst, src, size_t(n) * dtype_size(dst_t));
     return;
   }
-  dispatch_dtype(dst_t, [&](auto* d) {
-    dispatch_dtype(src_t, [&](auto* s) {
-      using D = std::remove_pointer_t<decltype(d)>;
-      using S = std::remove_pointer_t<decltype(s)>;
-      if constexpr (!std::is_same_v<D, double> && !std::is_same_v<S, double>) {
-        Loops::template pack<D, S>(static_cast<D*>(dst), static_cast<const S*>(src), n,
-                                   float(scale), store);
-      }
-    });
+  dispatch_float_pair(dst_t, src_t, [&](auto* d, auto* s) {
+    using D = std::remove_pointer_t<decltype(d)>;
+    using S = std::remove_pointer_t<decltype(s)>;
+    Loops::template pack<D, S>(static_cast<D*>(dst), static_cast<const S*>(src), n, float(scale),
+                               store);
   });
 }
 
@@ -65,15 +74,11 @@ void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, 
                    n);
     return;
   }
-  dispatch_dtype(dst_t, [&](auto* d) {
-    dispatch_dtype(src_t, [&](auto* s) {
-      using D = std::remove_pointer_t<decltype(d)>;
-      using S = std::remove_pointer_t<decltype(s)>;
-      if constexpr (!std::is_same_v<D, double> && !std::is_same_v<S, double>) {
-        Loops::template reduce<D, S>(static_cast<D*>(dst), reinterpret_cast<const S* const*>(srcs),
-                                     nsrc, n, store);
-      }
-    });
+  dispatch_float_pair(dst_t, src_t, [&](auto* d, auto* s) {
+    using D = std::remove_pointer_t<decltype(d)>;
+    using S = std::remove_pointer_t<decltype(s)>;
+    Loops::template reduce<D, S>(static_cast<D*>(dst), reinterpret_cast<const S* const*>(srcs),
+                                 nsrc, n, store);
   });
 }
 
