@@ -1,12 +1,13 @@
-"""Benchmark ddpx against gloo on one machine: the all-reduce alone, and a DDP training step.
+"""Benchmark ddpx against gloo on one machine: the all-reduce alone, a DDP training step, accuracy.
 
 Run everything: the script spawns the ranks of each of --world_sizes (default 2,4) itself, gloo
 over a FileStore in a temporary folder, one thread per rank, and they end with it (on an error,
 Ctrl-C, or even SIGKILL). The table goes to stdout, progress to stderr. On 2 cores, about 1.5
-minutes for allreduce and 2.5 for train:
+minutes for allreduce and 2.5 for train; accuracy (default world sizes 4,8) takes about a minute:
 
     python scripts/bench.py allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
     python scripts/bench.py train --json bench_out/train.json --plot bench_out/train.png
+    python scripts/bench.py accuracy --json bench_out/accuracy.json --plot bench_out/accuracy.png
 
 Smaller runs:
 
@@ -43,6 +44,17 @@ tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the larg
 change of the default model) and of the parameters to float32 (64 u_fp32 x the largest parameter).
 Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
 with status 1 after the table.
+
+accuracy: the averaged all-reduce of --size normally distributed float32 elements per rank (seeded
+per rank) on each of --world_sizes (default 4,8), by each of --methods: `default`
+(torch.distributed.all_reduce of x / world size in float32), `torch-fp16` and `torch-bf16` (torch's
+fp16_compress_hook and bf16_compress_hook called on the data as DDP would: cast to the wire dtype,
+divide by the world size in it, all-reduce in it with gloo, cast back), `ddpx`, `ddpx-fp16` and
+`ddpx-bf16` (ddpx.all_reduce with average=True and that compression). Reported: max and mean abs
+error against the float64 reference (the sum of the float64 inputs / world size; the largest over
+the ranks), the ratio of each ddpx-<wire> error to torch-<wire>'s (smaller is more accurate), and
+whether every rank got the same bits. A ddpx result that differs across ranks, or a non-finite
+error, makes the run exit with status 1 after the table.
 """
 
 import argparse
@@ -60,6 +72,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -69,6 +82,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16")
 COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
+METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 WIRE = {
     "gloo": None,
     "ddpx": None,
@@ -77,6 +91,8 @@ WIRE = {
     "default": None,
     "fp16": "fp16",
     "bf16": "bf16",
+    "torch-fp16": "fp16",
+    "torch-bf16": "bf16",
 }
 UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
 # How many roundings the final parameters of a hook may differ from the default hook's by.
@@ -87,22 +103,16 @@ TIMING = {
     "allreduce": "a sample: the slowest rank's mean time per call in a batch begun after a barrier",
     "train": "a sample: the slowest rank's time for one step begun after a barrier",
 }
+ERRORS = (
+    "max and mean |result - float64 reference| (the largest over the ranks), reference = sum of "
+    "the float64 inputs / world size; vs torch: ddpx-<wire>'s error / torch-<wire>'s"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--world_sizes",
-        type=_int_list,
-        default=[2, 4],
-        help="comma-separated world sizes to spawn (default 2,4; a launcher's WORLD_SIZE wins)",
-    )
-    common.add_argument("--json", type=Path, help="write the results and the machine to this file")
-    common.add_argument("--plot", type=Path, help="draw the results into this PNG")
-    common.add_argument("--seed", type=int, default=0)
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     modes = parser.add_subparsers(dest="mode", required=True)
+    common = _common_options([2, 4])
     allreduce = modes.add_parser("allreduce", parents=[common], help="time the all-reduce alone")
     allreduce.add_argument(
         "--sizes",
@@ -146,7 +156,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=12, help="timed steps per hook")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
     train.add_argument("--lr", type=float, default=0.01)
+
+    accuracy = modes.add_parser(
+        "accuracy",
+        parents=[_common_options([4, 8])],
+        help="compare the averaged all-reduce's errors against a float64 reference",
+    )
+    accuracy.add_argument(
+        "--methods",
+        type=_choice_list(METHODS),
+        default=list(METHODS),
+        help=f"comma-separated, from {','.join(METHODS)} (default all)",
+    )
+    accuracy.add_argument(
+        "--size",
+        type=_count,
+        default=_count("1M"),
+        help="float32 elements per rank, with K/M suffixes (powers of 1000; default 1M)",
+    )
     return parser.parse_args(argv)
+
+
+def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
+    """The options every mode takes; a parser of its own per mode, so each has its own defaults."""
+    common = argparse.ArgumentParser(add_help=False)
+    default = ",".join(map(str, world_sizes))
+    common.add_argument(
+        "--world_sizes",
+        type=_int_list,
+        default=world_sizes,
+        help=f"comma-separated world sizes to spawn (default {default}; a launcher's WORLD_SIZE "
+        "wins)",
+    )
+    common.add_argument("--json", type=Path, help="write the results and the machine to this file")
+    common.add_argument("--plot", type=Path, help="draw the results into this PNG")
+    common.add_argument("--seed", type=int, default=0)
+    return common
 
 
 def _suffixed(text: str, base: int) -> int:
@@ -275,7 +320,8 @@ def _launched(args) -> dict | None:
 def _run_rank(args) -> dict:
     torch.set_num_threads(THREADS_PER_RANK)
     try:
-        return {"allreduce": bench_allreduce, "train": bench_train}[args.mode](args)
+        modes = {"allreduce": bench_allreduce, "train": bench_train, "accuracy": bench_accuracy}
+        return modes[args.mode](args)
     finally:
         dist.destroy_process_group()
 
@@ -319,18 +365,29 @@ def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
     for name in requested:
         if name == "gloo":
             engines[name] = dist.all_reduce
-            continue
-        if ddpx is None:
+        elif ddpx is None:
             left_out[name] = why_not
-            continue
-        engine = functools.partial(ddpx.all_reduce, compression=WIRE[name])
-        try:
-            engine(torch.ones(8))
-        except NotImplementedError as exc:
-            left_out[name] = str(exc)
-            continue
-        engines[name] = engine
+        else:
+            _add_if_it_works(
+                engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
+            )
     return engines
+
+
+def _add_if_it_works(
+    engines: dict, name: str, engine, left_out: dict, fails=(NotImplementedError,)
+) -> None:
+    """Add `engine` to `engines` if it reduces a small tensor here; else say why in `left_out`.
+
+    `fails`: what it raises where it cannot work (NotImplementedError: a ddpx compression not built
+    yet). Every rank probes alike, so they agree on what is left out.
+    """
+    try:
+        engine(torch.ones(8))
+    except fails as exc:
+        left_out[name] = str(exc).splitlines()[0]
+        return
+    engines[name] = engine
 
 
 def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
@@ -394,8 +451,11 @@ def _check_engines(size: int, engines: dict, seed: int) -> dict:
     return errors
 
 
-def _random_input(seed: int, rank: int, numel: int) -> torch.Tensor:
+def _random_input(seed: int, rank: int, numel: int, normal: bool = False) -> torch.Tensor:
+    """Rank `rank`'s input: uniform in [-1, 1), or standard normal."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    if normal:
+        return torch.randn(numel, generator=generator)
     return torch.rand(numel, generator=generator) * 2 - 1
 
 
@@ -509,7 +569,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
             "batch_size": args.batch_size,
             "steps": args.warmup + args.steps,
             **_slowest_rank_stats(samples[name]),
-            "ranks_identical": _same_on_all_ranks(model.module),
+            "ranks_identical": _same_on_all_ranks(model.module.parameters()),
             **diffs.get(name, {}),
         }
         if not row["ranks_identical"]:
@@ -549,13 +609,89 @@ def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
-def _same_on_all_ranks(module: torch.nn.Module) -> bool:
+def _same_on_all_ranks(tensors) -> bool:
     digest = hashlib.sha256()
-    for p in module.parameters():
+    for p in tensors:
         digest.update(p.detach().numpy().tobytes())
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest.hexdigest())
     return len(set(digests)) == 1
+
+
+# --- accuracy mode -------------------------------------------------------------------------------
+
+
+def bench_accuracy(args) -> dict:
+    left_out, failures = {}, []
+    methods = _accuracy_methods(args.methods, left_out)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    _progress(f"world {world_size}, {args.size} elements: {', '.join(methods)}")
+    reference = torch.zeros(args.size, dtype=torch.float64)
+    for other in range(world_size):
+        reference += _random_input(args.seed, other, args.size, normal=True)
+    reference /= world_size
+    mine = _random_input(args.seed, rank, args.size, normal=True)
+    rows = []
+    for name, method in methods.items():
+        result = method(mine.clone())
+        error = (result.double() - reference).abs()
+        # The largest over the ranks: rank 0's alone could hide a rank that got other bits.
+        errors = torch.tensor([error.max().item(), error.mean().item()], dtype=torch.float64)
+        dist.all_reduce(errors.nan_to_num_(nan=math.inf), op=dist.ReduceOp.MAX)
+        row = {
+            "world_size": world_size,
+            "elements": args.size,
+            "method": name,
+            "wire": WIRE[name] or "fp32",
+            "max_abs_error": errors[0].item(),
+            "mean_abs_error": errors[1].item(),
+            "ranks_identical": _same_on_all_ranks([result]),
+        }
+        if not math.isfinite(row["max_abs_error"]):
+            failures.append(f"{name} on {world_size} ranks: non-finite error")
+        if name.startswith("ddpx") and not row["ranks_identical"]:
+            failures.append(f"{name} on {world_size} ranks: results differ across ranks")
+        rows.append(row)
+    by_name = {row["method"]: row for row in rows}
+    for row in rows:
+        compressed = row["method"].startswith("ddpx-")
+        torch_row = by_name.get(f"torch-{row['wire']}") if compressed else None
+        for stat in ("max", "mean"):
+            row[f"{stat}_vs_torch"] = (
+                row[f"{stat}_abs_error"] / torch_row[f"{stat}_abs_error"] if torch_row else None
+            )
+    return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
+
+
+def _accuracy_methods(requested: list[str], left_out: dict) -> dict:
+    """The requested methods that work here, by name: each averages its float32 argument."""
+    ddpx, why_not = _import_ddpx()
+    world_size, methods = dist.get_world_size(), {}
+    for name in requested:
+        if name == "default":
+            methods[name] = lambda t: _summed(t.div_(world_size))
+        elif name.startswith("torch-"):
+            hook = getattr(default_hooks, f"{WIRE[name]}_compress_hook")
+            engine = functools.partial(_hooked, hook)
+            # RuntimeError: gloo cannot sum the wire dtype here.
+            _add_if_it_works(methods, name, engine, left_out, fails=RuntimeError)
+        elif ddpx is None:
+            left_out[name] = why_not
+        else:
+            engine = functools.partial(ddpx.all_reduce, average=True, compression=WIRE[name])
+            _add_if_it_works(methods, name, engine, left_out)
+    return methods
+
+
+def _summed(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def _hooked(hook, tensor: torch.Tensor) -> torch.Tensor:
+    """Average `tensor` in place with DDP comm hook `hook`, as DDP runs it on a bucket."""
+    bucket = SimpleNamespace(buffer=lambda: tensor)  # what the hook reads of a GradBucket
+    return hook(None, bucket).wait()
 
 
 # --- reporting -----------------------------------------------------------------------------------
@@ -571,7 +707,7 @@ def report(args, result: dict) -> None:
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()
         },
-        "timing": TIMING[args.mode],
+        **({"timing": TIMING[args.mode]} if args.mode in TIMING else {"errors": ERRORS}),
         **result,
     }
     print(format_report(document))
@@ -580,7 +716,8 @@ def report(args, result: dict) -> None:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        {"allreduce": plot_allreduce, "train": plot_train}[args.mode](document["rows"], args.plot)
+        plots = {"allreduce": plot_allreduce, "train": plot_train, "accuracy": plot_accuracy}
+        plots[args.mode](document["rows"], args.plot)
 
 
 def machine() -> dict:
@@ -611,7 +748,9 @@ def format_report(document: dict) -> str:
     lines = [
         f"ddpx bench {document['mode']}: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['threads_per_rank']} thread per rank, torch {machine['torch']}",
-        f"timing: {document['timing']}; median and p10-p90 over the samples",
+        f"timing: {document['timing']}; median and p10-p90 over the samples"
+        if "timing" in document
+        else f"errors: {document['errors']}",
     ]
     left_out = {}
     for name, why in document["left_out"].items():
@@ -619,7 +758,8 @@ def format_report(document: dict) -> str:
     lines += [f"note: {', '.join(names)} left out: {why}" for why, names in left_out.items()]
     lines += [f"note: {note}" for note in document["notes"]]
     lines.append("")
-    table = {"allreduce": _allreduce_table, "train": _train_table}[document["mode"]]
+    tables = {"allreduce": _allreduce_table, "train": _train_table, "accuracy": _accuracy_table}
+    table = tables[document["mode"]]
     lines += table(document["rows"])
     return "\n".join(lines)
 
@@ -658,6 +798,26 @@ def _train_table(rows: list[dict]) -> list[str]:
     lines.append(
         f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "
         f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
+    )
+    return lines
+
+
+def _accuracy_table(rows: list[dict]) -> list[str]:
+    header = (
+        f"{'world':>5}  {'method':<10}  {'wire':<4}  {'max |error|':>11}  {'mean |error|':>12}  "
+        f"{'max vs torch':>12}  {'mean vs torch':>13}  identical on ranks"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['world_size']:>5}  {row['method']:<10}  {row['wire']:<4}  "
+            f"{row['max_abs_error']:>11.3e}  {row['mean_abs_error']:>12.3e}  "
+            f"{_ratio(row['max_vs_torch']):>12}  {_ratio(row['mean_vs_torch']):>13}  "
+            f"{'yes' if row['ranks_identical'] else 'no'}"
+        )
+    lines.append(
+        f"{rows[0]['elements']} standard normal float32 elements per rank, averaged; "
+        "vs torch: smaller is more accurate"
     )
     return lines
 
@@ -722,6 +882,27 @@ def plot_train(rows: list[dict], path: Path) -> None:
     ax.set_xticks(range(len(world_sizes)), [f"{ws} ranks" for ws in world_sizes])
     ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
     ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_accuracy(rows: list[dict], path: Path) -> None:
+    plt = _pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    figure, axes = plt.subplots(
+        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
+    )
+    for ax, world_size in zip(axes[0], world_sizes, strict=True):
+        cells = [row for row in rows if row["world_size"] == world_size]
+        x = range(len(cells))
+        for offset, stat in ((-0.2, "max"), (0.2, "mean")):
+            errors = [row[f"{stat}_abs_error"] for row in cells]
+            ax.bar([i + offset for i in x], errors, 0.4, label=f"{stat} |error|")
+        ax.set_xticks(x, [row["method"] for row in cells], rotation=30)
+        ax.set(yscale="log", title=f"{world_size} ranks")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("|error| vs float64 reference")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

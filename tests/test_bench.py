@@ -1,4 +1,5 @@
-"""Smoke test of scripts/bench.py: both modes end to end on 2 spawned ranks, tiny sizes.
+"""Smoke test of scripts/bench.py: every mode end to end on 2 spawned ranks (accuracy: 2 and 3),
+tiny sizes.
 
 It checks what the benchmark reports and writes, never how fast anything is.
 """
@@ -12,7 +13,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "timing", "rows", "left_out"}
+DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "rows", "left_out"}
 MACHINE_KEYS = {"cpu", "cores", "threads_per_rank", "torch", "ddpx"}
 
 
@@ -24,10 +25,10 @@ def ddpx_built() -> bool:
     return hasattr(ddpx, "all_reduce")
 
 
-def run_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
-    """Run bench.py on 2 ranks as a user would; return its JSON document and its stdout."""
+def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict, str]:
+    """Run bench.py on `world_sizes` ranks as a user would; return its JSON document and stdout."""
     json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
-    command = [sys.executable, str(BENCH), *args, "--world_sizes", "2"]
+    command = [sys.executable, str(BENCH), *args, "--world_sizes", world_sizes]
     command += ["--json", str(json_path), "--plot", str(png_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -37,6 +38,7 @@ def run_bench(tmp_path: Path, *args: str) -> tuple[dict, str]:
     assert MACHINE_KEYS <= set(document["machine"])
     assert document["machine"]["threads_per_rank"] == 1
     assert document["failures"] == []
+    assert ("timing" in document) != ("errors" in document)
     if ddpx_built():
         assert "unavailable" not in document["machine"]["ddpx"]
     return document, done.stdout
@@ -89,3 +91,36 @@ def test_train(tmp_path):
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
     assert "x vs default" in stdout
+
+
+def test_accuracy(tmp_path):
+    methods = ["default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16"]
+    document, stdout = run_bench(tmp_path, "accuracy", "--size", "2K", world_sizes="2,3")
+
+    assert "errors" in document
+    rows = {(row["world_size"], row["method"]): row for row in document["rows"]}
+    measured = list(dict.fromkeys(method for _, method in rows))
+    check_measured(methods, measured, document["left_out"])
+    assert sorted(rows) == sorted((ws, method) for ws in (2, 3) for method in measured)
+    for (world_size, method), row in rows.items():
+        assert row["elements"] == 2000
+        for stat in ("max", "mean"):
+            error = row[f"{stat}_abs_error"]
+            assert 0 <= error < 0.1
+            # A float32 result may hit the float64 reference; one rounded to a wire dtype cannot.
+            if row["wire"] != "fp32":
+                assert error > 0
+        assert row["mean_abs_error"] <= row["max_abs_error"]
+        if method.startswith("ddpx"):
+            assert row["ranks_identical"]
+        torch_row = rows.get((world_size, f"torch-{row['wire']}"))
+        if method.startswith("ddpx-") and torch_row:
+            for stat in ("max", "mean"):
+                ratio = row[f"{stat}_abs_error"] / torch_row[f"{stat}_abs_error"]
+                assert row[f"{stat}_vs_torch"] == pytest.approx(ratio)
+                if world_size == 3:
+                    assert ratio <= 1
+        else:
+            assert row["max_vs_torch"] is row["mean_vs_torch"] is None
+    assert "mean vs torch" in stdout
+    assert sum(line.split()[:1] in (["2"], ["3"]) for line in stdout.splitlines()) == len(rows)
