@@ -21,8 +21,9 @@ try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 except ImportError:
     sys.exit(
-        "ddpx: torch is not importable in this build environment. ddpx's extension must be compiled "
-        "against the torch that will run it, so install torch first and build without isolation:\n"
+        "ddpx: torch is not importable in this build environment. ddpx's extension must be "
+        "compiled against the torch that will run it, so install torch first and build without "
+        "isolation:\n"
         "    pip install torch==2.13.0 && pip install --no-build-isolation -e ."
     )
 

@@ -98,7 +98,8 @@ def extension() -> ModuleType:
         if _C.torch_version == torch.__version__:
             _module, _how = _C, "prebuilt"
             return _module
-        reason = f"ddpx._C was built for torch {_C.torch_version}, this is torch {torch.__version__}"
+        reason = (f"ddpx._C was built for torch {_C.torch_version}, "
+                  f"this is torch {torch.__version__}")
     except ImportError as error:
         reason = f"ddpx._C is not built ({error})"
     _module, _how = _build(reason), "jit"

@@ -21,7 +21,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_ranks
 from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from ddpx._buildspec import CUDA_SOURCES
 from ddpx._ext import extension
+
+from distributed import run_ranks
 
 C = extension()
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,11 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -133,4 +135,43 @@ def test_checkpoint_resume(uninterrupted, mode, tmp_path):
     resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", "latest", *flags)
     assert re.search(rf"^resumed from .* after step {half}$", resumed, re.MULTILINE), resumed
+    assert final_state(resumed) == uninterrupted
+
+
+def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
+    """SIGKILL of the whole job while rank 0 is inside a save: the previous checkpoint still
+    loads, and resuming from it ends exactly where an uninterrupted run ends.
+
+    The save is caught in the act deterministically: the temporary file it writes is made a FIFO,
+    so rank 0 blocks opening it (mid-save) while rank 1 waits for it, until the test kills them.
+    """
+    half = STEPS // 2
+    accelerate_launch("checkpoint.py", "--output_dir", tmp_path, "--checkpointing_steps", half,
+                      steps=half)
+    checkpoint = tmp_path / "checkpoint.pt"
+    os.mkfifo(str(checkpoint) + ".tmp")
+    segments = {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG,
+               SCRIPTS / "checkpoint.py", "--steps", STEPS, "--output_dir", tmp_path,
+               "--resume_from_checkpoint", "latest", "--checkpointing_steps", half // 2]
+    job = subprocess.Popen([str(part) for part in command], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for line in job.stdout:
+            if line.startswith(f"step {half:4d}"):
+                break
+        time.sleep(3)  # the next save comes a few milliseconds later, and blocks
+        assert job.poll() is None, "the job finished instead of blocking in its save"
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+        job.stdout.close()
+    assert job.returncode != 0
+    assert torch.load(checkpoint, map_location="cpu")["step"] == half
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("ddpx-")} <= segments
+
+    os.unlink(str(checkpoint) + ".tmp")
+    resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,
+                                "--resume_from_checkpoint", "latest")
     assert final_state(resumed) == uninterrupted
