@@ -65,3 +65,16 @@ def test_missing_compiler_names_what_to_install(tmp_path):
     result = run_python(PRINT_INFO, env, tmp_path)
     assert result.returncode != 0
     assert "C++17 compiler" in result.stderr and "apt-get install g++" in result.stderr
+
+
+def test_isolated_build_says_to_turn_isolation_off(tmp_path):
+    """A plain `pip install .` builds in an isolated environment without torch: it must stop
+    with the command that works, not with an import error."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--no-deps", "-e", str(ROOT)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "pip install --no-build-isolation -e ." in result.stdout + result.stderr
