@@ -214,7 +214,6 @@ def test_needs_an_initialized_process_group():
         ddpx.all_reduce(torch.ones(2))
 
 
-@pytest.mark.slow
 def test_a_tensor_over_2_gib():
     run_ranks(huge, 2, timeout=600)
 
@@ -226,3 +225,28 @@ def huge(rank, world):
     out = torch.full((n,), float(rank + 1))
     ddpx.all_reduce(out)
     assert bool((out == 3.0).all())
+
+
+def load(rank, world):
+    import torch.distributed as dist
+
+    import ddpx
+
+    total = sum(range(1, world + 1))
+    for i in range(2000):
+        out = torch.full((1000,), float(rank + 1 + i % 7))
+        ddpx.all_reduce(out)
+        assert bool((out == total + world * (i % 7)).all()), f"small all-reduce {i}"
+        if i % 50 == 0:
+            check = torch.tensor([float(rank)])
+            dist.all_reduce(check)
+            assert check.item() == sum(range(world))
+            dist.barrier()
+    big = torch.full(((1 << 30) // 4,), float(rank + 1))
+    ddpx.all_reduce(big)
+    assert bool((big == total).all()), "1 GiB all-reduce"
+    dist.barrier()
+
+
+def test_thousands_of_small_calls_and_a_1gib_call_between_process_group_collectives():
+    run_ranks(load, 4, timeout=300)
