@@ -175,3 +175,11 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_
     resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,
                                 "--resume_from_checkpoint", "latest")
     assert final_state(resumed) == uninterrupted
+
+
+@pytest.mark.slow
+def test_thirty_consecutive_runs_exit_cleanly():
+    """gloo jobs used to abort at interpreter exit now and then ("terminate called without an
+    active exception"); `run` fails on that line and on any non-zero exit."""
+    for _ in range(30):
+        accelerate_launch("basic.py", steps=5)
