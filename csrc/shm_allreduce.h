@@ -75,7 +75,6 @@ class ShmAllreduce {
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   void reject(const std::string& reason, const std::string& what);
 
-  int local_rank() const { return me_; }
   int local_size() const { return layout_.nranks; }
   size_t block_bytes() const { return layout_.block_bytes; }
 

@@ -120,56 +120,56 @@ class _Meeting:
         return self.store.get(f"{self.prefix}/{key}").decode()
 
 
-def _create_shm_engine(group, meeting: _Meeting, hosts: list[str], timeout: timedelta):
+def _create_segment(name: str, size: int, block_bytes: int):
+    C = extension()
+    _remove_stale_segments()
+    nbytes = C.shm_segment_bytes(size, block_bytes)
+    free = _shm_free_bytes()
+    if free < nbytes + (1 << 20):
+        raise RuntimeError(
+            f"/dev/shm has {free >> 20} MiB free and the shared-memory engine needs "
+            f"{(nbytes >> 20) + 1} MiB for {size} ranks: start the container with a larger "
+            "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
+        )
+    return C.ShmSegment.create(name, nbytes)
+
+
+def _create_shm_engine(group, meeting: _Meeting, timeout: timedelta):
     """Every rank of the group (all on one node) returns its engine, or all return the reason
     why shared memory cannot serve."""
     C = extension()
-    me = dist.get_rank(group)
-    size = len(hosts)
+    me, size = dist.get_rank(group), group.size()
     ranks = dist.get_process_group_ranks(group)
     if me == 0:
-        layout = f"{_BLOCK_KB * 1024} {_ONE_SHOT_KB * 1024}"
-        block_bytes = _BLOCK_KB * 1024
-        nbytes = C.shm_segment_bytes(size, block_bytes)
+        block_bytes, one_shot_bytes = _BLOCK_KB * 1024, _ONE_SHOT_KB * 1024
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        engine = None
         try:
-            _remove_stale_segments()
-            free = _shm_free_bytes()
-            if free < nbytes + (1 << 20):
-                raise RuntimeError(
-                    f"/dev/shm has {free >> 20} MiB free and the shared-memory engine needs "
-                    f"{(nbytes >> 20) + 1} MiB for {size} ranks: start the container with a larger "
-                    "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
-                )
-            segment = C.ShmSegment.create(name, nbytes)
-            engine = C.make_shm_engine(segment, size, block_bytes, 0, ranks,
-                                       _ONE_SHOT_KB * 1024, timeout.total_seconds(), True)
-            meeting.put("segment", f"ok {name} {layout}")
+            segment = _create_segment(name, size, block_bytes)
+            engine = C.make_shm_engine(segment, size, block_bytes, 0, ranks, one_shot_bytes,
+                                       timeout.total_seconds(), True)
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put("segment", f"error {error}")
             C.ShmSegment.unlink(name)
             return str(error)
+        meeting.put("segment", f"ok {name} {block_bytes} {one_shot_bytes}")
         try:
             verdicts = [meeting.get(f"attached/{r}") for r in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
-        failed = [v for v in verdicts if v != "ok"]
-        return failed[0] if failed else engine
-
-    status, _, rest = meeting.get("segment").partition(" ")
-    if status != "ok":
-        return rest
-    name, block_bytes, one_shot = rest.split()
-    engine, verdict = None, "ok"
-    try:
-        segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, int(block_bytes)))
-        engine = C.make_shm_engine(segment, size, int(block_bytes), me, ranks, int(one_shot),
-                                   timeout.total_seconds(), False)
-    except Exception as error:  # noqa: BLE001
-        verdict = f"rank {ranks[me]} could not map the segment: {error}"
-    meeting.put(f"attached/{me}", verdict)
-    verdicts = [verdict if r == me else meeting.get(f"attached/{r}") for r in range(1, size)]
+    else:
+        status, _, rest = meeting.get("segment").partition(" ")
+        if status != "ok":
+            return rest
+        name, block_bytes, one_shot_bytes = rest.split()
+        engine, verdict = None, "ok"
+        try:
+            segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, int(block_bytes)))
+            engine = C.make_shm_engine(segment, size, int(block_bytes), me, ranks,
+                                       int(one_shot_bytes), timeout.total_seconds(), False)
+        except Exception as error:  # noqa: BLE001
+            verdict = f"rank {ranks[me]} could not map the segment: {error}"
+        meeting.put(f"attached/{me}", verdict)
+        verdicts = [verdict if r == me else meeting.get(f"attached/{r}") for r in range(1, size)]
     failed = [v for v in verdicts if v != "ok"]
     return failed[0] if failed else engine
 
@@ -185,7 +185,7 @@ def _create_engine(group, timeout: timedelta | None):
         reason = (f"the group's ranks are on {len(set(hosts))} nodes; the hierarchical "
                   "all-reduce across nodes is not implemented yet")
     else:
-        result = _create_shm_engine(group, meeting, hosts, timeout)
+        result = _create_shm_engine(group, meeting, timeout)
         if not isinstance(result, str):
             return result
         reason = f"shared memory is unavailable: {result}"

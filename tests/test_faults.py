@@ -1,0 +1,464 @@
+"""Faults injected for real: a rank SIGKILLed in the middle of training (torchrun, 2 and 4 ranks),
+every rank SIGKILLed mid-all-reduce, two jobs on the node at once, ranks whose DDP models
+disagree, a /dev/shm too small for the segment (a private 1 MiB tmpfs mount), empty tensors and
+foreign groups, and NaN/Inf gradients against DDP's default all-reduce."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks, shm_segments
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def job_processes(marker: str) -> list[int]:
+    """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = None,
+           prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Starts ``script`` (written into ``directory``) under torchrun, in its own session."""
+    path = directory / "job.py"
+    path.write_text(textwrap.dedent(script))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    command = [*prefix, TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
+               "--monitor-interval=1", str(path), *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=full_env, cwd=directory, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    """Waits for a launched job; returns (exit status, output, seconds). Kills its whole session
+    on timeout; the caller's ``finally: reap(proc)`` kills it on any other failure."""
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        reap(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"the job did not finish in {timeout} s:\n{out}") from None
+    return proc.returncode, out, time.monotonic() - start
+
+
+def reap(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def assert_no_job_left(directory, pids=()) -> None:
+    deadline = time.monotonic() + 10
+    while job_processes(str(directory)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not job_processes(str(directory)), "processes of the job are still running"
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # A pid that still exists must at least not be a live process of ours.
+        assert pid not in job_processes(str(directory)), f"rank pid {pid} still running"
+
+
+def read_pids(directory) -> list[int]:
+    return [int(p.read_text()) for p in sorted(directory.glob("pid.*"))]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. A rank SIGKILLed in the middle of training
+
+TRAIN_AND_DIE = """
+    import os, signal, sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ddpx
+
+    torch.set_num_threads(1)
+    # torchrun SIGTERMs the other workers once it sees rank 1 die; ignoring that lets every
+    # survivor show what ddpx raised (torchrun still SIGKILLs them after its grace period).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    open(f"pid.{rank}", "w").write(str(os.getpid()))
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)),
+                bucket_cap_mb=0.05)
+    ddpx.register_fused_hook(model, timeout=timedelta(seconds=10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        for step in range(1000):
+            if rank == 1 and step == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = model(torch.randn(32, 64)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as error:
+        open(f"error.{rank}", "w").write(f"AT STEP {step}: {error}")
+        raise
+    print("UNREACHABLE: training finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, tmp_path):
+    before = shm_segments()
+    proc = launch(TRAIN_AND_DIE, world, tmp_path)
+    try:
+        rc, out, elapsed = finish(proc, timeout=90)
+    finally:
+        reap(proc)
+    assert rc != 0, out
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to fail"
+    assert "UNREACHABLE" not in out
+    # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
+    # bucket (directly, or as the message of the rank that aborted the all-reduce).
+    # (Each rank writes its error to its own file: the ranks' output lines interleave.)
+    raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
+    assert sorted(raised) == [f"error.{r}" for r in range(world) if r != 1], out
+    for line in raised.values():
+        assert "AT STEP 5: ddpx:" in line, line
+        assert "rank 1 (pid" in line and "exited while" in line, line
+        assert "gradient bucket" in line, line
+    pids = read_pids(tmp_path)
+    assert len(pids) == world
+    assert_no_job_left(tmp_path, pids)
+    assert not shm_segments() - before
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Every rank SIGKILLed mid-all-reduce; two jobs at once
+
+REDUCE_FOREVER = """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    import ddpx
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.ones(3_000_000)
+    ddpx.all_reduce(t)
+    open(f"pid.{rank}", "w").write(str(os.getpid()))
+    while True:
+        ddpx.all_reduce(t, average=True)
+"""
+
+
+def test_every_rank_killed_mid_all_reduce_leaves_nothing_in_dev_shm(tmp_path):
+    before = shm_segments()
+    proc = launch(REDUCE_FOREVER, 3, tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid.*"))) < 3:
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)  # well inside the loop of 12 MB all-reduces
+        pids = read_pids(tmp_path)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        rc, out, _ = finish(proc, timeout=60)
+    finally:
+        reap(proc)
+    assert rc != 0, out
+    assert_no_job_left(tmp_path, pids)
+    assert not shm_segments() - before, "a SIGKILLed job left its segment in /dev/shm"
+
+
+REDUCE_MINE = """
+    import sys
+    import torch, torch.distributed as dist
+    import ddpx
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = float(sys.argv[1])
+    for i in range(40):
+        for n in (1000, 3_000_000):          # one-shot and two-phase schedules
+            t = torch.full((n,), base * (rank + 1) + i)
+            ddpx.all_reduce(t)
+            expected = base * world * (world + 1) / 2 + world * i
+            assert bool((t == expected).all()), (base, i, n, t[:3], expected)
+    print(f"JOB {base} OK", flush=True)
+"""
+
+
+def test_two_jobs_at_once_each_get_their_own_sums(tmp_path):
+    before = shm_segments()
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    procs = []
+    try:
+        for d, base in zip(dirs, ("1", "1000"), strict=True):
+            d.mkdir()
+            procs.append(launch(REDUCE_MINE, 2, d, base))
+        results = [finish(p, timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            reap(p)
+    for (rc, out, _), base in zip(results, ("1", "1000"), strict=True):
+        assert rc == 0, out
+        assert f"JOB {float(base)} OK" in out
+    for d in dirs:
+        assert_no_job_left(d)
+    assert not shm_segments() - before
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Ranks whose DDP models disagree
+
+
+def extra_parameter(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    net = nn.Sequential(nn.Linear(8, 8), *([nn.Linear(8, 8)] if rank == 1 else []))
+    with pytest.raises(RuntimeError) as info:
+        DDP(net)
+    return str(info.value)
+
+
+def test_an_extra_parameter_is_caught_by_ddp_at_construction_on_every_rank():
+    # DDP's own shape check runs before any hook can be registered: ddpx never sees this model.
+    messages = run_ranks(extra_parameter, 2, timeout=60)
+    for m in messages:
+        assert "DDP expects same model across all ranks" in m, m
+
+
+def different_compression(rank, world):
+    from datetime import timedelta
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    # The same model, so DDP's checks pass (DDP also broadcasts rank 0's bucket layout after the
+    # first step, so per-rank bucket_cap_mb cannot split buckets differently). A per-rank hook
+    # setting is invisible to DDP: only the all-reduce can see it.
+    model = DDP(net)
+    ddpx.register_fused_hook(model, compression="bf16" if rank == 1 else None,
+                             timeout=timedelta(seconds=10))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(4, 64)).sum().backward()
+    return str(info.value), time.monotonic() - start
+
+
+def test_ranks_with_different_hook_settings_raise_ranks_disagree_on_every_rank():
+    results = run_ranks(different_compression, 2, timeout=60)
+    for rank, (message, elapsed) in enumerate(results):
+        assert "ddpx: ranks disagree on gradient bucket 0" in message, message
+        assert f"rank {rank} has 4680 float32 elements (wire {'bfloat16' if rank else 'float32'}" \
+            in message, message
+        assert f"rank {1 - rank} has 4680 float32 elements" in message, message
+        assert elapsed < 8, f"raised after {elapsed:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. /dev/shm too small, for real
+
+SMALL_SHM = """
+    import os
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ddpx
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # Each rank reports in its own file: the ranks' output lines interleave.
+    report = open(f"report.{rank}", "w", buffering=1)
+    shm = os.statvfs("/dev/shm")
+    report.write(f"SHM {shm.f_blocks * shm.f_frsize}\\n")
+
+    def train(hook):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+        if hook:
+            state = ddpx.register_fused_hook(model)
+            report.write(f"DESCRIBE {state.describe()}\\n")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(10 + rank)
+        for _ in range(5):
+            model(torch.randn(8, 16, generator=data)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours, default = train(True), train(False)
+    for a, b in zip(ours, default, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    report.write("SAME PARAMETERS\\n")
+"""
+
+UNSHARE = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+           'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh")
+
+
+def unshare_works() -> str | None:
+    try:
+        done = subprocess.run([*UNSHARE, "true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    return None if done.returncode == 0 else done.stderr.strip() or f"rc {done.returncode}"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_dev_shm_too_small_falls_back_or_fails_strictly(strict, tmp_path):
+    why = unshare_works()
+    if why is not None:
+        pytest.skip(f"cannot mount a private 1 MiB /dev/shm here: {why}")
+    proc = launch(SMALL_SHM, 2, tmp_path, env={"DDPX_STRICT": "1"} if strict else {},
+                  prefix=UNSHARE)
+    try:
+        rc, out, _ = finish(proc, timeout=90)
+    finally:
+        reap(proc)
+    # The job really saw the 1 MiB /dev/shm.
+    assert (tmp_path / "report.0").read_text().startswith("SHM 1048576\n"), out
+    if strict:
+        assert rc != 0, out
+        assert "DDPX_STRICT=1 forbids the process-group fallback" in out, out
+        assert "/dev/shm has 1 MiB free" in out or "/dev/shm has 0 MiB free" in out, out
+        return
+    assert rc == 0, out
+    assert out.count("using the process group's all-reduce instead") == 1, out  # rank 0 only
+    assert out.count("/dev/shm has") == 1, out
+    assert "--shm-size" in out and "DDPX_BLOCK_KB" in out, out
+    for rank in (0, 1):
+        report = (tmp_path / f"report.{rank}").read_text().splitlines()
+        described = [line for line in report if line.startswith("DESCRIBE")]
+        assert len(described) == 1 and "process-group" in described[0], report
+        assert report[-1] == "SAME PARAMETERS", report
+    assert_no_job_left(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Empty tensors, and a group that does not contain the caller
+
+
+def empty_and_foreign(rank, world):
+    import torch.distributed as dist
+
+    import ddpx
+    from ddpx.engine import engine_for
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for shape in ((0,), (3, 0)):
+            t = torch.empty(shape, dtype=dtype)
+            assert ddpx.all_reduce(t, average=True) is t and t.shape == shape
+    engine = engine_for(None)
+    empty = torch.empty(0)
+    assert engine.run_async(empty, 0.5, None, "gradient bucket 0").wait().numel() == 0
+    # Empty on one rank only is a disagreement like any other, raised on every rank.
+    with pytest.raises(RuntimeError, match="ranks disagree on ddpx.all_reduce: .*has 0 float32"):
+        ddpx.all_reduce(torch.empty(0) if rank == 0 else torch.ones(10))
+    # float64 after the empty calls: the engine is still in step.
+    t = torch.arange(5, dtype=torch.float64) * (rank + 1)
+    ddpx.all_reduce(t)
+    assert torch.equal(t, torch.arange(5, dtype=torch.float64) * sum(range(1, world + 1)))
+    # A hook state for a group the caller is not in.
+    mine, other = dist.new_group([0, 1]), dist.new_group([2, 3])
+    if rank >= 2:
+        mine, other = other, mine
+    with pytest.raises(ValueError, match=f"rank {rank} is not a member"):
+        ddpx.FusedHookState(process_group=other)
+    state = ddpx.FusedHookState(process_group=mine)
+    t = torch.full((100,), float(rank))
+    state.engine.run(t, state.scale, state.wire, "gradient bucket 0")
+    expected = (0 + 1) / 2 if rank < 2 else (2 + 3) / 2
+    assert torch.equal(t, torch.full((100,), expected))
+
+
+def test_empty_tensors_and_a_foreign_group():
+    run_ranks(empty_and_foreign, 4, timeout=90)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. NaN and Inf come out as DDP's default all-reduce gives them
+
+
+def assert_same_specials(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a.isnan(), b.isnan()), "NaN in different places"
+    keep = ~a.isnan()
+    assert torch.equal(a[keep], b[keep]), "finite or infinite entries differ"
+
+
+def non_finite(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    inf, nan = float("inf"), float("nan")
+    for n in (64, 100_000):  # one-shot and two-phase schedules
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            t = torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            # 0: inf + inf, 1: inf + -inf, 2: nan + x, 3: -inf + x, 4: x + nan, 5: -inf + -inf
+            specials = [(inf, inf), (inf, -inf), (nan, 1.0), (-inf, 2.0), (3.0, nan),
+                        (-inf, -inf)]
+            for i, pair in enumerate(specials):
+                t[i * 7] = pair[rank]
+                t[n - 1 - i] = pair[1 - rank]
+            ours, theirs = t.clone(), t.clone()
+            ddpx.all_reduce(ours, average=True)
+            dist.all_reduce(theirs)
+            theirs.div_(world)
+            assert_same_specials(ours, theirs)
+            assert ours[0] == inf and ours[5 * 7] == -inf and ours[7].isnan()
+    # Through DDP: inputs with inf on rank 0 and NaN on rank 1 give inf and NaN (inf * 0)
+    # gradient entries in the first layer's weight.
+    grads = {}
+    for hook in ("default", "cpp"):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2)), bucket_cap_mb=0.0001)
+        if hook == "cpp":
+            ddpx.register_fused_hook(model)
+        x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank))
+        x[rank, 1 + 2 * rank] = inf if rank == 0 else nan
+        x[2, 4] = -inf if rank == 0 else 5.0
+        model(x).sum().backward()
+        grads[hook] = [p.grad.clone() for p in model.parameters()]
+    weight = grads["default"][0]
+    assert weight.isinf().any() and weight.isnan().any(), "the test must produce inf and NaN"
+    for a, b in zip(grads["cpp"], grads["default"], strict=True):
+        assert_same_specials(a, b)
+
+
+def test_nan_and_inf_match_the_default_all_reduce():
+    # Two ranks: x/2 is exact, so x*(1/2)+y*(1/2) and (x+y)/2 are the same bits for these values.
+    run_ranks(non_finite, 2, timeout=90)
