@@ -3,10 +3,15 @@
 // Every rank owns two input slots in one POSIX shared-memory segment; a message goes through in
 // blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
 // the last one. Each rank publishes a monotonic step counter when its block is in; readers wait
-// for every peer's counter, never for a global barrier. Small blocks are summed by every rank
-// (one-shot: one synchronisation per step); large ones are split, each rank sums its slice into a
-// shared output slot, and all copy the whole result out (two-phase). Both sum the ranks in rank
-// order in float, so every rank gets the same bits.
+// for every peer's counter, never for a global barrier. The blocks of small messages are summed
+// by every rank (one-shot: one synchronisation per step); those of large ones are split, each
+// rank sums its slice into a shared float32 output slot, and all copy the whole result out
+// (two-phase). Both sum the ranks in rank order in float32, so every rank gets the same bits,
+// whichever schedule ran.
+//
+// Reusing a slot needs no extra synchronisation: a rank writes step s's slots only after every
+// peer has arrived at step s-1, which each does only after it finished reading step s-2, the
+// last user of those slots.
 #pragma once
 
 #include <atomic>
