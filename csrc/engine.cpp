@@ -46,7 +46,17 @@ std::string invalid_input(const at::Tensor& tensor, const Request& request) {
 
 }  // namespace
 
-ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm) : queue_(std::make_shared<Queue>()) {
+ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
+                     c10::intrusive_ptr<c10d::ProcessGroup> across_nodes)
+    : queue_(std::make_shared<Queue>()) {
+  if (across_nodes) {
+    nodes_ = across_nodes->getSize();
+    shm->set_cross_node([group = std::move(across_nodes)](void* data, DType acc, int64_t n) {
+      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
+      std::vector<at::Tensor> slice{at::from_blob(data, {n}, at::TensorOptions().dtype(dtype))};
+      group->allreduce(slice)->wait();
+    });
+  }
   queue_->shm = std::move(shm);
 }
 
@@ -133,6 +143,7 @@ std::string ShmEngine::describe() const {
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
       << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
       << kernels().isa << " kernels";
+  if (nodes_ > 1) out << ", hierarchical across " << nodes_ << " nodes through the process group";
   return out.str();
 }
 

@@ -37,7 +37,10 @@ class Engine {
 
 class ShmEngine final : public Engine {
  public:
-  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm);
+  // With across_nodes (the ranks of this local index on every node), each rank's slice is
+  // summed across nodes through that process group between the node's two phases.
+  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
+                     c10::intrusive_ptr<c10d::ProcessGroup> across_nodes = {});
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
@@ -69,6 +72,7 @@ class ShmEngine final : public Engine {
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;
+  int nodes_ = 1;
 };
 
 class ProcessGroupEngine final : public Engine {

@@ -325,7 +325,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const size_t acc_size = dtype_size(acc);
   const int64_t per_block = int64_t(layout_.block_bytes / wire_size);
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
-  const bool one_shot = size_t(numel) * wire_size <= one_shot_bytes_;
+  const bool one_shot = !cross_node_ && size_t(numel) * wire_size <= one_shot_bytes_;
   const int n = layout_.nranks;
   // Results larger than the last-level cache go out with streaming stores.
   const Store out_store =
@@ -354,8 +354,16 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     const int64_t lo = std::min<int64_t>(count, me_ * slice);
     const int64_t hi = std::min<int64_t>(count, lo + slice);
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
-    k.reduce(output_slot(step) + size_t(lo) * acc_size, acc, srcs, n, wire, hi - lo,
-             Store::Cached);
+    char* sum = output_slot(step) + size_t(lo) * acc_size;
+    k.reduce(sum, acc, srcs, n, wire, hi - lo, Store::Cached);
+    if (cross_node_ && hi > lo) {
+      try {
+        cross_node_(sum, acc, hi - lo);
+      } catch (const std::exception& e) {
+        fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what +
+             " failed: " + e.what());
+      }
+    }
     publish(Phase::Reduce, step);
     wait_all(Phase::Reduce, step, what);
     k.pack(local, dtype, output_slot(step), acc, count, 1.0, out_store);

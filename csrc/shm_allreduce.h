@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,14 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
+  // Sums n accumulation-dtype elements in place with the ranks of the same local index on the
+  // other nodes; throws on failure.
+  using CrossNode = std::function<void(void* data, DType acc, int64_t n)>;
+
+  // Makes every block two-phase and sums each rank's slice across nodes before the node copies
+  // it out: intra-node reduce-scatter, cross-node all-reduce, intra-node all-gather.
+  void set_cross_node(CrossNode cross_node) { cross_node_ = std::move(cross_node); }
+
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   void reject(const std::string& reason, const std::string& what);
@@ -110,6 +119,7 @@ class ShmAllreduce {
   uint64_t step_ = 0;
   uint64_t calls_ = 0;
   std::string failure_;
+  CrossNode cross_node_;
 };
 
 }  // namespace ddpx

@@ -134,61 +134,93 @@ def _create_segment(name: str, size: int, block_bytes: int):
     return C.ShmSegment.create(name, nbytes)
 
 
-def _create_shm_engine(group, meeting: _Meeting, timeout: timedelta):
-    """Every rank of the group (all on one node) returns its engine, or all return the reason
-    why shared memory cannot serve."""
+def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, ranks: list[int],
+                       timeout: timedelta, across_nodes):
+    """Every rank of a node (``local``: its group ranks) returns its engine, or all return the
+    reason why shared memory cannot serve. ``ranks`` maps group ranks to global ones."""
     C = extension()
-    me, size = dist.get_rank(group), group.size()
-    ranks = dist.get_process_group_ranks(group)
-    if me == 0:
-        block_bytes, one_shot_bytes = _BLOCK_KB * 1024, _ONE_SHOT_KB * 1024
+    size, index = len(local), local.index(me)
+    names = [ranks[r] for r in local]
+    block_bytes, one_shot_bytes = (int(v) for v in meeting.get("layout").split())
+    if index == 0:
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             segment = _create_segment(name, size, block_bytes)
-            engine = C.make_shm_engine(segment, size, block_bytes, 0, ranks, one_shot_bytes,
-                                       timeout.total_seconds(), True)
+            engine = C.make_shm_engine(segment, size, block_bytes, 0, names, one_shot_bytes,
+                                       timeout.total_seconds(), True, across_nodes)
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
-            meeting.put("segment", f"error {error}")
+            meeting.put(f"segment/{node}", f"error {error}")
             C.ShmSegment.unlink(name)
             return str(error)
-        meeting.put("segment", f"ok {name} {block_bytes} {one_shot_bytes}")
+        meeting.put(f"segment/{node}", f"ok {name}")
         try:
-            verdicts = [meeting.get(f"attached/{r}") for r in range(1, size)]
+            verdicts = [meeting.get(f"attached/{node}/{i}") for i in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
     else:
-        status, _, rest = meeting.get("segment").partition(" ")
+        status, _, name = meeting.get(f"segment/{node}").partition(" ")
         if status != "ok":
-            return rest
-        name, block_bytes, one_shot_bytes = rest.split()
+            return name
         engine, verdict = None, "ok"
         try:
-            segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, int(block_bytes)))
-            engine = C.make_shm_engine(segment, size, int(block_bytes), me, ranks,
-                                       int(one_shot_bytes), timeout.total_seconds(), False)
+            segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, block_bytes))
+            engine = C.make_shm_engine(segment, size, block_bytes, index, names, one_shot_bytes,
+                                       timeout.total_seconds(), False, across_nodes)
         except Exception as error:  # noqa: BLE001
             verdict = f"rank {ranks[me]} could not map the segment: {error}"
-        meeting.put(f"attached/{me}", verdict)
-        verdicts = [verdict if r == me else meeting.get(f"attached/{r}") for r in range(1, size)]
+        meeting.put(f"attached/{node}/{index}", verdict)
+        verdicts = [verdict if i == index else meeting.get(f"attached/{node}/{i}")
+                    for i in range(1, size)]
     failed = [v for v in verdicts if v != "ok"]
     return failed[0] if failed else engine
+
+
+def _node_identity() -> str:
+    """The machine, and the launcher's node rank (GROUP_RANK, which torchrun and accelerate
+    launch set), so that launcher nodes sharing a machine stay apart."""
+    return f"{_host_identity()}#{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _across_nodes(group, members: list[list[int]], index: int):
+    """The process group of the ranks with local index ``index`` on every node; creating them
+    is collective over the world, so every rank creates all of them, in the same order."""
+    if group is not dist.group.WORLD:
+        return None
+    groups = [dist.new_group([node[i] for node in members]) for i in range(len(members[0]))]
+    return groups[index]
 
 
 def _create_engine(group, timeout: timedelta | None):
     C = extension()
     timeout = timeout if timeout is not None else _group_timeout(group)
     meeting = _Meeting(group)
-    me = dist.get_rank(group)
-    meeting.put(f"host/{me}", _host_identity())
-    hosts = [meeting.get(f"host/{r}") for r in range(group.size())]
-    if len(set(hosts)) > 1:
-        reason = (f"the group's ranks are on {len(set(hosts))} nodes; the hierarchical "
-                  "all-reduce across nodes is not implemented yet")
+    me, size = dist.get_rank(group), group.size()
+    if me == 0:
+        meeting.put("layout", f"{_BLOCK_KB * 1024} {_ONE_SHOT_KB * 1024}")
+    meeting.put(f"node/{me}", _node_identity())
+    nodes = [meeting.get(f"node/{r}") for r in range(size)]
+    names = list(dict.fromkeys(nodes))
+    members = [[r for r in range(size) if nodes[r] == name] for name in names]
+    node = names.index(nodes[me])
+    if len({len(m) for m in members}) > 1:
+        raise RuntimeError(
+            f"ddpx: the job's nodes run different numbers of ranks ({[len(m) for m in members]});"
+            " the hierarchical all-reduce needs the same number on every node: launch every node "
+            "with the same --nproc_per_node / --num_processes")
+    across = _across_nodes(group, members, members[node].index(me)) if len(names) > 1 else None
+    if len(names) > 1 and across is None:
+        result = (f"the group spans {len(names)} nodes, and only the world group is reduced "
+                  "hierarchically")
     else:
-        result = _create_shm_engine(group, meeting, timeout)
-        if not isinstance(result, str):
-            return result
-        reason = f"shared memory is unavailable: {result}"
+        result = _create_shm_engine(meeting, me, members[node], node,
+                                    dist.get_process_group_ranks(group), timeout, across)
+    # One node without shared memory makes every node fall back: the paths must match.
+    meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
+    reasons = [meeting.get(f"usable/{r}") for r in range(size)]
+    failed = [r for r in reasons if r != "ok"]
+    if not failed:
+        return result
+    reason = f"shared memory is unavailable: {failed[0]}"
     if os.environ.get("DDPX_STRICT") == "1":
         raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
     if me == 0:

@@ -1,0 +1,90 @@
+"""Two nodes on one machine: two torchrun launches side by side (--nnodes 2, 2 ranks each), so
+ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchically: within each
+node through that node's own segment, across nodes through the process group."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from distributed import shm_segments
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+JOB = textwrap.dedent('''
+    import gc, json, os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import ddpx
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = {}
+    for hook in ("default", "ddpx"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        model = DDP(net, bucket_cap_mb=0.004)
+        if hook == "ddpx":
+            out["path"] = ddpx.register_fused_hook(model).describe()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out[hook] = [p.detach().flatten().tolist() for p in net.parameters()]
+        del model, optimizer
+    big = torch.full((300_000,), float(rank + 1))
+    ddpx.all_reduce(big)
+    out["sum"] = [big.min().item(), big.max().item()]
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    gc.collect()
+    dist.destroy_process_group()
+''')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    port = free_port()
+    segments = shm_segments()
+    nodes = [subprocess.Popen(
+        [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        for node in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+
+    for result in results:
+        assert "2 local ranks" in result["path"], result["path"]
+        assert "hierarchical across 2 nodes" in result["path"], result["path"]
+        assert result["sum"] == [10.0, 10.0]
+        # As in test_hook.py: only the order of the float32 additions differs from DDP's.
+        for mine, default in zip(result["ddpx"], result["default"], strict=True):
+            torch.testing.assert_close(torch.tensor(mine), torch.tensor(default), rtol=1e-5,
+                                       atol=1e-6)
+    assert all(result["ddpx"] == results[0]["ddpx"] for result in results), \
+        "ranks hold different parameters"
+    assert shm_segments() <= segments
