@@ -38,9 +38,9 @@ def fused_allreduce_hook(
     state: FusedHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket over ``state.process_group`` with ddpx's engine, in place: the
-    1/world_size scale (and the cast, with compression) is fused into the copy to shared memory,
-    and the sum is accumulated in float32. Returns at once; the future completes when the bucket
-    is reduced.
+    1/world_size scale (and the cast, with compression) is fused into the copy to shared memory
+    (CPU buckets) or into the collective and its kernels (CUDA buckets), and the sum is
+    accumulated in float32. Returns at once; the future completes when the bucket is reduced.
 
     Example::
         >>> state = ddpx.FusedHookState(process_group=None)
