@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -33,6 +35,47 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def job_processes(marker: str) -> list[int]:
+    """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def kill_job(launcher: subprocess.Popen, marker: str) -> None:
+    """SIGKILLs a launched job: the launcher's session (started with start_new_session), and the
+    workers, which torch's launcher starts in sessions of their own and leaves running when it
+    is killed; they are found by ``marker``, a string in their command lines. Returns once they
+    are gone (or after 10 s)."""
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        launcher.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in job_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while job_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def shm_segments() -> set[str]:

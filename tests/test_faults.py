@@ -16,27 +16,9 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import run_ranks, shm_segments
+from distributed import job_processes, kill_job, run_ranks, shm_segments
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-
-
-def job_processes(marker: str) -> list[int]:
-    """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmdline and state != "Z":
-            found.append(int(entry))
-    return found
 
 
 def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = None,
@@ -47,8 +29,10 @@ def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = N
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     command = [*prefix, TORCHRUN, "--standalone", f"--nproc_per_node={nproc}",
                "--monitor-interval=1", str(path), *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=full_env, cwd=directory, start_new_session=True)
+    proc.marker = str(directory)  # in every worker's command line: how reap() finds them
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
@@ -65,14 +49,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
 
 
 def reap(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    kill_job(proc, proc.marker)
 
 
 def assert_no_job_left(directory, pids=()) -> None:

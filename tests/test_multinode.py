@@ -4,7 +4,6 @@ node through that node's own segment, across nodes through the process group."""
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from distributed import shm_segments
+from distributed import kill_job, shm_segments
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB = textwrap.dedent('''
@@ -71,9 +70,7 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
         logs = [node.communicate(timeout=180)[0] for node in nodes]
     finally:
         for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+            kill_job(node, str(tmp_path))
     assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
 

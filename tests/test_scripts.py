@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from distributed import job_processes, kill_job
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 CPU_CONFIG = SCRIPTS / "configs" / "cpu.yaml"
@@ -164,10 +166,10 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_
         time.sleep(3)  # the next save comes a few milliseconds later, and blocks
         assert job.poll() is None, "the job finished instead of blocking in its save"
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        kill_job(job, str(tmp_path))
         job.stdout.close()
     assert job.returncode != 0
+    assert not job_processes(str(tmp_path)), "processes of the killed job are still running"
     assert torch.load(checkpoint, map_location="cpu")["step"] == half
     assert {n for n in os.listdir("/dev/shm") if n.startswith("ddpx-")} <= segments
 
