@@ -21,13 +21,9 @@ namespace {
 
 DType kernel_dtype(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "ddpx kernels take contiguous CPU tensors");
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::Float32;
-    case at::kDouble: return DType::Float64;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Float16;
-    default: TORCH_CHECK(false, "ddpx kernels take float32/float64/bfloat16/float16, got ", t.scalar_type());
-  }
+  const auto dtype = to_dtype(t.scalar_type());
+  TORCH_CHECK(dtype, "ddpx kernels take float32/float64/bfloat16/float16, got ", t.scalar_type());
+  return *dtype;
 }
 
 const Kernels& kernels_named(const std::string& isa) {

@@ -4,7 +4,6 @@
 #include <stdexcept>
 
 namespace ddpx {
-namespace {
 
 std::optional<DType> to_dtype(at::ScalarType t) {
   switch (t) {
@@ -15,6 +14,8 @@ std::optional<DType> to_dtype(at::ScalarType t) {
     default: return std::nullopt;
   }
 }
+
+namespace {
 
 // torch's name of a dtype ("int64", not ScalarType's "Long"), as users wrote it.
 std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }

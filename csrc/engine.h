@@ -20,6 +20,9 @@
 
 namespace ddpx {
 
+// The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.
+std::optional<DType> to_dtype(at::ScalarType t);
+
 struct Request {
   double scale = 1.0;                   // applied to every rank's input before the sum
   std::optional<at::ScalarType> wire;   // dtype in transit; the tensor's own when empty
