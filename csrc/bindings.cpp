@@ -85,6 +85,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            },
            py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
       .def("describe", &Engine::describe)
+      .def_property_readonly("bytes_across_nodes", [](const Engine& e) -> std::optional<uint64_t> {
+        if (const auto* shm = dynamic_cast<const ShmEngine*>(&e)) return shm->bytes_across_nodes();
+        return std::nullopt;
+      })
       .def("shutdown", [](Engine& e) {
         if (auto* shm = dynamic_cast<ShmEngine*>(&e)) shm->shutdown();
       }, py::call_guard<py::gil_scoped_release>());

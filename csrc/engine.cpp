@@ -1,5 +1,9 @@
 #include "engine.h"
 
+#include <torch/version.h>
+
+#include <atomic>
+#include <cstring>
 #include <sstream>
 #include <stdexcept>
 
@@ -14,6 +18,95 @@ std::optional<DType> to_dtype(at::ScalarType t) {
     default: return std::nullopt;
   }
 }
+
+// torch 2.13 renamed the single-tensor collectives and deprecated the old names.
+c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in, std::chrono::milliseconds timeout) {
+  std::vector<int64_t> equal_splits;
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+  return group.all_to_all_single(out, in, equal_splits, equal_splits, opts);
+#else
+  return group.alltoall_base(out, in, equal_splits, equal_splits, opts);
+#endif
+}
+
+c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in, std::chrono::milliseconds timeout) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+  return group.all_gather_single(out, in, opts);
+#else
+  return group._allgather_base(out, in, opts);
+#endif
+}
+
+// The node-to-node step of the hierarchical all-reduce, for one rank's slice. Uncompressed, the
+// slice is all-reduced as it is. Compressed, it crosses in the wire dtype both ways and is still
+// summed in float32: an all-to-all deals each node one piece of every node's slice, each rank sums
+// its piece over the nodes in node order and rounds the sum once, and an all-gather hands the
+// pieces back. Every rank holding the slice ends with the same bits, and the bytes on the network
+// are those of the wire dtype.
+class AcrossNodes {
+ public:
+  explicit AcrossNodes(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)), nodes_(group_->getSize()) {
+    if (nodes_ > kMaxSources) {
+      throw std::invalid_argument("ddpx: the hierarchical all-reduce sums at most " +
+                                  std::to_string(kMaxSources) + " nodes, this job has " +
+                                  std::to_string(nodes_));
+    }
+  }
+
+  int nodes() const { return nodes_; }
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+
+  void reduce(void* data, DType acc, DType wire, int64_t n) {
+    const int64_t nodes = nodes_;
+    if (wire == acc) {
+      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
+      std::vector<at::Tensor> slice{at::from_blob(data, {n}, at::TensorOptions().dtype(dtype))};
+      group_->allreduce(slice)->wait();
+      count(2 * (nodes - 1) * n * int64_t(dtype_size(acc)) / nodes);
+      return;
+    }
+    const Kernels& k = kernels();
+    const int64_t wire_size = int64_t(dtype_size(wire));
+    const int64_t piece = (n + nodes - 1) / nodes;
+    const int64_t bytes = nodes * piece * wire_size;
+    at::Tensor dealt = buffer(dealt_, bytes);
+    at::Tensor received = buffer(received_, bytes);
+    at::Tensor mine = buffer(mine_, piece * wire_size);
+    char* out = static_cast<char*>(dealt.data_ptr());
+    k.pack(out, wire, data, acc, n, 1.0, Store::Cached);
+    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
+    all_to_all(*group_, received, dealt)->wait();
+    const void* pieces[kMaxSources];
+    for (int64_t i = 0; i < nodes; ++i) {
+      pieces[i] = static_cast<const char*>(received.data_ptr()) + i * piece * wire_size;
+    }
+    k.reduce(mine.data_ptr(), wire, pieces, int(nodes), wire, piece, Store::Cached);
+    all_gather(*group_, dealt, mine)->wait();
+    k.pack(data, acc, out, wire, n, 1.0, Store::Cached);
+    count(2 * (nodes - 1) * piece * wire_size);
+  }
+
+ private:
+  // The first `bytes` of `storage`, which grows to the largest call and is then reused.
+  static at::Tensor buffer(at::Tensor& storage, int64_t bytes) {
+    if (!storage.defined() || storage.numel() < bytes) storage = at::empty({bytes}, at::kByte);
+    return storage.narrow(0, 0, bytes);
+  }
+
+  void count(int64_t bytes) { bytes_sent_.fetch_add(uint64_t(bytes), std::memory_order_relaxed); }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int nodes_;
+  at::Tensor dealt_, received_, mine_;
+  std::atomic<uint64_t> bytes_sent_{0};
+};
 
 namespace {
 
@@ -51,14 +144,16 @@ ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      c10::intrusive_ptr<c10d::ProcessGroup> across_nodes)
     : queue_(std::make_shared<Queue>()) {
   if (across_nodes) {
-    nodes_ = across_nodes->getSize();
-    shm->set_cross_node([group = std::move(across_nodes)](void* data, DType acc, int64_t n) {
-      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
-      std::vector<at::Tensor> slice{at::from_blob(data, {n}, at::TensorOptions().dtype(dtype))};
-      group->allreduce(slice)->wait();
+    across_nodes_ = std::make_shared<AcrossNodes>(std::move(across_nodes));
+    shm->set_cross_node([across = across_nodes_](void* data, DType acc, DType wire, int64_t n) {
+      across->reduce(data, acc, wire, n);
     });
   }
   queue_->shm = std::move(shm);
+}
+
+uint64_t ShmEngine::bytes_across_nodes() const {
+  return across_nodes_ ? across_nodes_->bytes_sent() : 0;
 }
 
 ShmEngine::~ShmEngine() { shutdown(); }
@@ -144,7 +239,9 @@ std::string ShmEngine::describe() const {
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
       << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
       << kernels().isa << " kernels";
-  if (nodes_ > 1) out << ", hierarchical across " << nodes_ << " nodes through the process group";
+  if (across_nodes_) {
+    out << ", hierarchical across " << across_nodes_->nodes() << " nodes through the process group";
+  }
   return out.str();
 }
 

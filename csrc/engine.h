@@ -8,6 +8,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -22,6 +23,17 @@ namespace ddpx {
 
 // The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.
 std::optional<DType> to_dtype(at::ScalarType t);
+
+// The process group's single-tensor all-to-all (equal slices) and all-gather, under the names of
+// the torch being built against. The default timeout is the group's own.
+c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in,
+                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in,
+                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+
+class AcrossNodes;
 
 struct Request {
   double scale = 1.0;                   // applied to every rank's input before the sum
@@ -41,7 +53,8 @@ class Engine {
 class ShmEngine final : public Engine {
  public:
   // With across_nodes (the ranks of this local index on every node), each rank's slice is
-  // summed across nodes through that process group between the node's two phases.
+  // summed across nodes through that process group between the node's two phases, in the wire
+  // dtype when compressed.
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      c10::intrusive_ptr<c10d::ProcessGroup> across_nodes = {});
   ~ShmEngine() override;
@@ -52,6 +65,10 @@ class ShmEngine final : public Engine {
   std::string describe() const override;
   // Finishes the queued work and joins the communication thread; later calls raise.
   void shutdown();
+  // Bytes this rank has sent to other nodes so far, counted as a bandwidth-optimal collective
+  // sends them: 2(N-1)/N of the data for an all-reduce over N nodes, (N-1)/N for an all-to-all or
+  // an all-gather. Zero on a single node.
+  uint64_t bytes_across_nodes() const;
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last
@@ -75,7 +92,7 @@ class ShmEngine final : public Engine {
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;
-  int nodes_ = 1;
+  std::shared_ptr<AcrossNodes> across_nodes_;
 };
 
 class ProcessGroupEngine final : public Engine {

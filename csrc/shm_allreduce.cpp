@@ -333,40 +333,92 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale};
   const void* srcs[kMaxLocalRanks];
 
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint64_t step = ++step_;
-    const int64_t offset = b * per_block;
-    const int64_t count = std::max<int64_t>(0, std::min(per_block, numel - offset));
-    char* local = static_cast<char*>(data) + size_t(offset) * data_size;
-    if (b == 0) control_[me_].meta[step & 1] = mine;
-    if (count > 0) k.pack(input_slot(me_, step), wire, local, dtype, count, scale, Store::Cached);
-    publish(Phase::Arrive, step);
-    wait_all(Phase::Arrive, step, what);
-    if (b == 0) check_peers_agree(mine, what);
-    if (one_shot) {
-      for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step);
-      k.reduce(local, dtype, srcs, n, wire, count, out_store);
-      continue;
-    }
-    // Slices are whole cache lines, so no two ranks write the same line of the output slot.
+  auto block_count = [&](int64_t b) {
+    return std::max<int64_t>(0, std::min(per_block, numel - b * per_block));
+  };
+  auto local_block = [&](int64_t b) {
+    return static_cast<char*>(data) + size_t(b * per_block) * data_size;
+  };
+  // This rank's slice of a block. Slices are whole cache lines, so no two ranks write the same
+  // line of the output slot.
+  auto my_slice = [&](int64_t count) {
     const int64_t line = int64_t(64 / wire_size);
     const int64_t slice = (count + n * line - 1) / (n * line) * line;
     const int64_t lo = std::min<int64_t>(count, me_ * slice);
-    const int64_t hi = std::min<int64_t>(count, lo + slice);
+    return std::make_pair(lo, std::min<int64_t>(count, lo + slice));
+  };
+  // Puts block b in this rank's input slot and waits for every peer's; returns its step.
+  auto arrive = [&](int64_t b) {
+    const uint64_t step = ++step_;
+    const int64_t count = block_count(b);
+    if (b == 0) control_[me_].meta[step & 1] = mine;
+    if (count > 0) k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
+    publish(Phase::Arrive, step);
+    wait_all(Phase::Arrive, step, what);
+    if (b == 0) check_peers_agree(mine, what);
+    return step;
+  };
+  auto sum_my_slice = [&](uint64_t step, int64_t lo, int64_t hi, void* out) {
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
-    char* sum = output_slot(step) + size_t(lo) * acc_size;
-    k.reduce(sum, acc, srcs, n, wire, hi - lo, Store::Cached);
-    if (cross_node_ && hi > lo) {
-      try {
-        cross_node_(sum, acc, hi - lo);
-      } catch (const std::exception& e) {
-        fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what +
-             " failed: " + e.what());
-      }
-    }
+    k.reduce(out, acc, srcs, n, wire, hi - lo, Store::Cached);
+  };
+  // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
+  auto gather = [&](uint64_t step, int64_t b) {
     publish(Phase::Reduce, step);
     wait_all(Phase::Reduce, step, what);
-    k.pack(local, dtype, output_slot(step), acc, count, 1.0, out_store);
+    k.pack(local_block(b), dtype, output_slot(step), acc, block_count(b), 1.0, out_store);
+  };
+
+  if (!cross_node_) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint64_t step = arrive(b);
+      const int64_t count = block_count(b);
+      if (one_shot) {
+        for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step);
+        k.reduce(local_block(b), dtype, srcs, n, wire, count, out_store);
+        continue;
+      }
+      const auto [lo, hi] = my_slice(count);
+      sum_my_slice(step, lo, hi, output_slot(step) + size_t(lo) * acc_size);
+      gather(step, b);
+    }
+    return;
+  }
+
+  // Across nodes, this rank's slices of every block are summed within the node into one buffer,
+  // which then crosses nodes in a single call, however many blocks the message has: a network
+  // round trip per block would cost far more than the extra pass over the slices. A block's
+  // output slot is written only after every peer published its previous block's slice, and they
+  // do that after reading the slot's last contents.
+  int64_t total = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const auto [lo, hi] = my_slice(block_count(b));
+    total += hi - lo;
+  }
+  if (node_sums_.size() < size_t(total) * acc_size) node_sums_.resize(size_t(total) * acc_size);
+  int64_t offset = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint64_t step = arrive(b);
+    const auto [lo, hi] = my_slice(block_count(b));
+    sum_my_slice(step, lo, hi, node_sums_.data() + size_t(offset) * acc_size);
+    offset += hi - lo;
+  }
+  if (total > 0) {
+    try {
+      cross_node_(node_sums_.data(), acc, wire, total);
+    } catch (const std::exception& e) {
+      fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what + " failed: " +
+           e.what());
+    }
+  }
+  offset = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint64_t step = ++step_;
+    const auto [lo, hi] = my_slice(block_count(b));
+    k.pack(output_slot(step) + size_t(lo) * acc_size, acc,
+           node_sums_.data() + size_t(offset) * acc_size, acc, hi - lo, 1.0, Store::Cached);
+    offset += hi - lo;
+    gather(step, b);
   }
 }
 

@@ -78,11 +78,11 @@ class ShmAllreduce {
                  const std::string& what);
 
   // Sums n accumulation-dtype elements in place with the ranks of the same local index on the
-  // other nodes; throws on failure.
-  using CrossNode = std::function<void(void* data, DType acc, int64_t n)>;
+  // other nodes, sending them in the call's wire dtype; throws on failure.
+  using CrossNode = std::function<void(void* data, DType acc, DType wire, int64_t n)>;
 
-  // Makes every block two-phase and sums each rank's slice across nodes before the node copies
-  // it out: intra-node reduce-scatter, cross-node all-reduce, intra-node all-gather.
+  // Makes the all-reduce hierarchical: intra-node reduce-scatter of every block, one cross-node
+  // all-reduce of this rank's slices of them, intra-node all-gather.
   void set_cross_node(CrossNode cross_node) { cross_node_ = std::move(cross_node); }
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
@@ -120,6 +120,7 @@ class ShmAllreduce {
   uint64_t calls_ = 0;
   std::string failure_;
   CrossNode cross_node_;
+  std::vector<char> node_sums_;  // this rank's slices summed within the node, across nodes
 };
 
 }  // namespace ddpx

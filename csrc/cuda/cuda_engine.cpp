@@ -10,7 +10,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
-#include <torch/version.h>
 
 #include <chrono>
 #include <optional>
@@ -43,30 +42,6 @@ cuda::WireType kernel_type(const at::Tensor& t, const char* name) {
   const auto type = wire_type(t.scalar_type());
   TORCH_CHECK(type, "ddpx: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   return *type;
-}
-
-// torch 2.13 renamed the single-tensor collectives and deprecated the old names.
-c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
-                                          at::Tensor& in, std::chrono::milliseconds timeout) {
-  std::vector<int64_t> equal_splits;
-  c10d::AllToAllOptions opts;
-  opts.timeout = timeout;
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
-  return group.all_to_all_single(out, in, equal_splits, equal_splits, opts);
-#else
-  return group.alltoall_base(out, in, equal_splits, equal_splits, opts);
-#endif
-}
-
-c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
-                                          at::Tensor& in, std::chrono::milliseconds timeout) {
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout;
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
-  return group.all_gather_single(out, in, opts);
-#else
-  return group._allgather_base(out, in, opts);
-#endif
 }
 
 class CudaEngine final : public Engine {
