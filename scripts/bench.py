@@ -12,6 +12,7 @@ minutes for allreduce and 2.5 for train; accuracy (default world sizes 4,8) take
 Smaller runs:
 
     python scripts/bench.py allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
+    python scripts/bench.py allreduce --world_sizes 4 --nodes 2    # as if on two machines
     python scripts/bench.py train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
 
 Under a launcher, the launcher's processes are the ranks and only its world size runs:
@@ -31,7 +32,11 @@ do not work here are left out with a note. In each cell (world size, size):
   - every engine gets --iters samples, the batches sized so they last --min_time seconds together,
     and the engines take turns sample by sample so that they share the machine's conditions.
 Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9, and
-x vs gloo = gloo's median / the engine's median (bigger is faster).
+x vs gloo = gloo's median / the engine's median (bigger is faster). With --nodes N the spawned
+ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces hierarchically
+as on N machines, and the table adds the bytes ddpx's engines sent across nodes per call, summed
+over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for an
+all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
 
 train: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
@@ -111,6 +116,7 @@ ERRORS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.set_defaults(nodes=1)
     modes = parser.add_subparsers(dest="mode", required=True)
     common = _common_options([2, 4])
     allreduce = modes.add_parser("allreduce", parents=[common], help="time the all-reduce alone")
@@ -128,6 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     allreduce.add_argument(
         "--iters", type=int, default=20, help="timed samples per engine and cell"
+    )
+    allreduce.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="split each spawned world size into this many equal nodes (default 1)",
     )
     allreduce.add_argument(
         "--min_time",
@@ -230,6 +242,9 @@ def _choice_list(choices):
 
 def main() -> None:
     args = parse_args()
+    uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]
+    if uneven:
+        sys.exit(f"bench.py: --nodes {args.nodes} does not divide world size {uneven[0]} evenly")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         result = _launched(args) if "WORLD_SIZE" in os.environ else _spawned(args)
@@ -287,6 +302,7 @@ def _spawn(world_size: int, args, workdir: str) -> None:
 
 def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
     _die_with_parent()
+    os.environ["GROUP_RANK"] = str(rank // (world_size // args.nodes))
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT
@@ -358,6 +374,26 @@ def bench_allreduce(args) -> dict:
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": []}
 
 
+def _node_count() -> int:
+    """How many nodes the ranks are on, by the launcher's GROUP_RANK as ddpx finds them."""
+    group_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(group_ranks, os.environ.get("GROUP_RANK", "0"))
+    return len(set(group_ranks))
+
+
+def _bytes_across_nodes() -> int | None:
+    """What ddpx's engine of the world has sent to other nodes so far, summed over the ranks;
+    None for the process-group fallback, which does not count them."""
+    from ddpx.engine import engine_for
+
+    sent = engine_for().bytes_across_nodes
+    if sent is None:
+        return None
+    total = torch.tensor([sent], dtype=torch.float64)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
 def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
     """The requested engines that work here, by name; why the others do not goes in `left_out`."""
     ddpx, why_not = _import_ddpx()
@@ -391,7 +427,7 @@ def _add_if_it_works(
 
 
 def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
-    errors = _check_engines(size, engines, args.seed)
+    errors = _check_engines(size, engines, args.seed, count_bytes=_node_count() > 1)
     zeros = torch.zeros(size // 4)
     per_call = {
         name: _seconds_per_call(engine, zeros, args.warmup) for name, engine in engines.items()
@@ -409,6 +445,7 @@ def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
         rows.append(
             {
                 "world_size": dist.get_world_size(),
+                "nodes": _node_count(),
                 "size_bytes": size,
                 "engine": name,
                 **stats,
@@ -424,8 +461,9 @@ def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
     return rows
 
 
-def _check_engines(size: int, engines: dict, seed: int) -> dict:
-    """Reduce random data once with each engine; raise on every rank if any sum is off."""
+def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> dict:
+    """Reduce random data once with each engine; raise on every rank if any sum is off. With
+    `count_bytes`, also what each ddpx engine sent across nodes for it."""
     world_size, numel = dist.get_world_size(), size // 4
     reference = torch.zeros(numel, dtype=torch.float64)
     for rank in range(world_size):
@@ -434,7 +472,10 @@ def _check_engines(size: int, engines: dict, seed: int) -> dict:
     errors = {}
     for name, engine in engines.items():
         result = mine.clone()
+        sent = _bytes_across_nodes() if count_bytes and name != "gloo" else None
         engine(result)
+        if sent is not None:
+            sent = _bytes_across_nodes() - sent
         error = torch.tensor([(result.double() - reference).abs().max().item()])
         error = error.nan_to_num(nan=math.inf)
         dist.all_reduce(error, op=dist.ReduceOp.MAX)
@@ -447,7 +488,11 @@ def _check_engines(size: int, engines: dict, seed: int) -> dict:
                 f"{name} returned a wrong sum for {format_size(size)} on {world_size} ranks: "
                 f"max abs error {error.item():.3g} > tolerance {tolerance:.3g}"
             )
-        errors[name] = {"max_abs_error": error.item(), "tolerance": tolerance}
+        errors[name] = {
+            "max_abs_error": error.item(),
+            "tolerance": tolerance,
+            "inter_node_bytes": sent,
+        }
     return errors
 
 
@@ -765,18 +810,28 @@ def format_report(document: dict) -> str:
 
 
 def _allreduce_table(rows: list[dict]) -> list[str]:
+    inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
     header = (
         f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
-        f"{'GB/s':>7}  {'x vs gloo':>9}"
+        f"{'GB/s':>7}  {'x vs gloo':>9}" + (f"  {'inter-node MB/call':>18}" if inter_node else "")
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
             f"{row['median_ms']:>10.3f}  {_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
-            f"{_ratio(row['x_vs_gloo']):>9}"
+            f"{_ratio(row['x_vs_gloo']):>9}" + (f"  {_megabytes(row):>18}" if inter_node else "")
         )
+    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+    if nodes:
+        split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())
+        lines.append(f"nodes: {split}; inter-node MB/call: sent across nodes, all ranks")
     return lines
+
+
+def _megabytes(row: dict) -> str:
+    sent = row.get("inter_node_bytes")
+    return "-" if sent is None else f"{sent / 1e6:.3f}"
 
 
 def _train_table(rows: list[dict]) -> list[str]:
@@ -853,7 +908,9 @@ def plot_allreduce(rows: list[dict], path: Path) -> None:
             ax.plot(x, [row["median_ms"] for row in cells], marker="o", label=engine)
             low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
             ax.fill_between(x, low, high, alpha=0.2)
-        ax.set(xscale="log", yscale="log", title=f"{world_size} ranks", xlabel="message size")
+        nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)
+        title = f"{world_size} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
+        ax.set(xscale="log", yscale="log", title=title, xlabel="message size")
         ax.set_xticks(sizes, [format_size(size) for size in sizes])
         ax.minorticks_off()
         ax.grid(True, alpha=0.3)

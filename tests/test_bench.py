@@ -75,6 +75,31 @@ def test_allreduce(tmp_path):
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
 
 
+@pytest.mark.skipif(not ddpx_built(), reason="needs ddpx's extension")
+def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path):
+    options = "--sizes 64K --iters 2 --min_time 0.05 --warmup 1 --nodes 2".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines",
+                                 "gloo,ddpx,ddpx-bf16", world_sizes="4")
+
+    rows = {row["engine"]: row for row in document["rows"]}
+    assert sorted(rows) == ["ddpx", "ddpx-bf16", "gloo"]
+    assert all(row["nodes"] == 2 for row in rows.values())
+    assert rows["gloo"]["inter_node_bytes"] is None
+    # Each node sends its float32 sum across once; compressed, in 2-byte elements (padded by at
+    # most one element per rank).
+    assert rows["ddpx"]["inter_node_bytes"] == 2 * 64 * 1024
+    assert 64 * 1024 <= rows["ddpx-bf16"]["inter_node_bytes"] <= 64 * 1024 + 4 * 4
+    assert "inter-node MB/call" in stdout and "4 ranks on 2" in stdout
+
+
+def test_nodes_must_divide_the_world_size(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "allreduce", "--world_sizes", "4", "--nodes", "3"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "--nodes 3 does not divide world size 4 evenly" in done.stderr
+
+
 def test_train(tmp_path):
     hooks = ["default", "fp16", "ddpx", "ddpx-bf16"]
     options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
