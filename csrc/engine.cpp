@@ -49,7 +49,7 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
 // its piece over the nodes in node order and rounds the sum once, and an all-gather hands the
 // pieces back. Every rank holding the slice ends with the same bits, and the bytes on the network
 // are those of the wire dtype.
-class AcrossNodes {
+class AcrossNodes final : public CrossNode {
  public:
   explicit AcrossNodes(c10::intrusive_ptr<c10d::ProcessGroup> group)
       : group_(std::move(group)), nodes_(group_->getSize()) {
@@ -60,10 +60,20 @@ class AcrossNodes {
     }
   }
 
-  int nodes() const { return nodes_; }
+  int nodes() const override { return nodes_; }
+  int node() const override { return group_->getRank(); }
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
 
-  void reduce(void* data, DType acc, DType wire, int64_t n) {
+  std::vector<int64_t> gather(const std::vector<int64_t>& mine) override {
+    std::vector<int64_t> all(mine.size() * size_t(nodes_));
+    at::Tensor in = at::from_blob(const_cast<int64_t*>(mine.data()), {int64_t(mine.size())},
+                                  at::kLong);
+    at::Tensor out = at::from_blob(all.data(), {int64_t(all.size())}, at::kLong);
+    all_gather(*group_, out, in)->wait();
+    return all;
+  }
+
+  void reduce(void* data, DType acc, DType wire, int64_t n) override {
     const int64_t nodes = nodes_;
     if (wire == acc) {
       const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
@@ -145,9 +155,7 @@ ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
     : queue_(std::make_shared<Queue>()) {
   if (across_nodes) {
     across_nodes_ = std::make_shared<AcrossNodes>(std::move(across_nodes));
-    shm->set_cross_node([across = across_nodes_](void* data, DType acc, DType wire, int64_t n) {
-      across->reduce(data, acc, wire, n);
-    });
+    shm->set_cross_node(across_nodes_);
   }
   queue_->shm = std::move(shm);
 }

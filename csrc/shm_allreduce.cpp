@@ -276,13 +276,14 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
   }
 }
 
+std::string ShmAllreduce::describe_call(const CallMeta& m) {
+  return std::to_string(m.numel) + " " + dtype_name(DType(m.dtype)) + " elements (wire " +
+         dtype_name(DType(m.wire)) + ", scale " + std::to_string(m.scale) + ", call " +
+         std::to_string(m.call) + ")";
+}
+
 void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& what) {
   const int slot = int(step_ & 1);
-  auto describe = [&](int r, const CallMeta& m) {
-    return rank_name(r) + " has " + std::to_string(m.numel) + " " +
-           dtype_name(DType(m.dtype)) + " elements (wire " + dtype_name(DType(m.wire)) +
-           ", scale " + std::to_string(m.scale) + ", call " + std::to_string(m.call) + ")";
-  };
   for (int r = 0; r < layout_.nranks; ++r) {
     if (r == me_) continue;
     const CallMeta& m = control_[r].meta[slot];
@@ -293,9 +294,46 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
     if (m.numel != mine.numel || m.dtype != mine.dtype || m.wire != mine.wire ||
         m.scale != mine.scale || m.call != mine.call) {
       throw std::runtime_error(
-          "ddpx: ranks disagree on " + what + ": " + describe(me_, mine) + ", " + describe(r, m) +
-          ". Every rank must reduce the same sizes and dtypes in the same order: check that the "
+          "ddpx: ranks disagree on " + what + ": " + rank_name(me_) + " has " + describe_call(mine) +
+          ", " + rank_name(r) + " has " + describe_call(m) + ". Every rank must reduce the same sizes and dtypes in the same order: check that the "
           "model and its trainable parameters are the same on every rank");
+    }
+  }
+}
+
+void ShmAllreduce::check_nodes_agree(const CallMeta& mine, const std::string& local_error,
+                                     const std::string& what) {
+  int64_t scale_bits;
+  static_assert(sizeof scale_bits == sizeof mine.scale);
+  std::memcpy(&scale_bits, &mine.scale, sizeof scale_bits);
+  constexpr size_t kWords = 6;
+  const std::vector<int64_t> words{local_error.empty() ? 0 : 1, int64_t(mine.call), mine.numel,
+                                   mine.dtype, mine.wire, scale_bits};
+  std::vector<int64_t> all;
+  try {
+    all = cross_node_->gather(words);
+  } catch (const std::exception& e) {
+    fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
+         e.what());
+  }
+  if (!local_error.empty()) throw std::runtime_error(local_error);
+  for (int node = 0; node < cross_node_->nodes(); ++node) {
+    const int64_t* theirs = all.data() + size_t(node) * kWords;
+    if (theirs[0] != 0) {
+      throw std::runtime_error("ddpx: " + what + " failed on node " + std::to_string(node) +
+                               " (a rank there rejected its input or disagreed with its node; its "
+                               "error says which), so every node stops it");
+    }
+    if (!std::equal(words.begin() + 1, words.end(), theirs + 1)) {
+      double scale;
+      std::memcpy(&scale, &theirs[5], sizeof scale);
+      const CallMeta other{uint64_t(theirs[1]), theirs[2], int32_t(theirs[3]), int32_t(theirs[4]),
+                           scale};
+      throw std::runtime_error(
+          "ddpx: nodes disagree on " + what + ": " + rank_name(me_) + " on node " +
+          std::to_string(cross_node_->node()) + " has " + describe_call(mine) + ", its peer on " +
+          "node " + std::to_string(node) + " has " + describe_call(other) + ". Every rank must " +
+          "reduce the same sizes and dtypes in the same order");
     }
   }
 }
@@ -304,10 +342,18 @@ void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
   if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
   check_not_aborted();
   const uint64_t step = ++step_;
-  control_[me_].meta[step & 1] = CallMeta{++calls_, -1, 0, 0, 0.0};
+  const CallMeta rejected{++calls_, -1, 0, 0, 0.0};
+  control_[me_].meta[step & 1] = rejected;
   std::snprintf(control_[me_].message, sizeof control_[me_].message, "%s", reason.c_str());
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
+  if (cross_node_) {
+    try {
+      check_nodes_agree(rejected, reason, what);
+    } catch (const std::runtime_error&) {
+      // This rank's own reason is the one to raise.
+    }
+  }
   throw std::invalid_argument(reason);
 }
 
@@ -355,7 +401,16 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     if (count > 0) k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
     publish(Phase::Arrive, step);
     wait_all(Phase::Arrive, step, what);
-    if (b == 0) check_peers_agree(mine, what);
+    if (b == 0 && !cross_node_) check_peers_agree(mine, what);
+    if (b == 0 && cross_node_) {
+      std::string local_error;
+      try {
+        check_peers_agree(mine, what);
+      } catch (const std::runtime_error& e) {
+        local_error = e.what();
+      }
+      check_nodes_agree(mine, local_error, what);
+    }
     return step;
   };
   auto sum_my_slice = [&](uint64_t step, int64_t lo, int64_t hi, void* out) {
@@ -405,7 +460,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   }
   if (total > 0) {
     try {
-      cross_node_(node_sums_.data(), acc, wire, total);
+      cross_node_->reduce(node_sums_.data(), acc, wire, total);
     } catch (const std::exception& e) {
       fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what + " failed: " +
            e.what());

@@ -17,7 +17,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,6 +61,19 @@ struct ShmLayout {
   size_t data_offset() const;
 };
 
+// The link between the ranks of one local index on every node, for the hierarchical all-reduce.
+class CrossNode {
+ public:
+  virtual ~CrossNode() = default;
+  virtual int nodes() const = 0;
+  virtual int node() const = 0;  // this rank's node, 0 .. nodes() - 1
+  // Every node's words, in node order; each node passes the same number. Throws on failure.
+  virtual std::vector<int64_t> gather(const std::vector<int64_t>& mine) = 0;
+  // Sums n accumulation-dtype elements in place over the nodes, sending them in the wire dtype.
+  // Throws on failure.
+  virtual void reduce(void* data, DType acc, DType wire, int64_t n) = 0;
+};
+
 class ShmAllreduce {
  public:
   friend struct ShmLayout;
@@ -77,13 +89,10 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
-  // Sums n accumulation-dtype elements in place with the ranks of the same local index on the
-  // other nodes, sending them in the call's wire dtype; throws on failure.
-  using CrossNode = std::function<void(void* data, DType acc, DType wire, int64_t n)>;
-
   // Makes the all-reduce hierarchical: intra-node reduce-scatter of every block, one cross-node
-  // all-reduce of this rank's slices of them, intra-node all-gather.
-  void set_cross_node(CrossNode cross_node) { cross_node_ = std::move(cross_node); }
+  // all-reduce of this rank's slices of them, intra-node all-gather. Each call is also checked
+  // against the other nodes' before any data crosses.
+  void set_cross_node(std::shared_ptr<CrossNode> cross_node) { cross_node_ = std::move(cross_node); }
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
@@ -102,7 +111,14 @@ class ShmAllreduce {
   char* output_slot(uint64_t step) const;
   void publish(Phase phase, uint64_t step);
   void wait_all(Phase phase, uint64_t step, const std::string& what);
+  static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
+  // Hierarchical only: trades this call's description and the node's verdict on it (local_error,
+  // empty when the node's ranks agree) with the other nodes, then raises on every rank if any
+  // node found a problem or the nodes disagree. Every rank trades once per call, so all stay in
+  // step whatever went wrong where.
+  void check_nodes_agree(const CallMeta& mine, const std::string& local_error,
+                         const std::string& what);
   std::string rank_name(int local) const;
   [[noreturn]] void fail(const std::string& message);
   void check_not_aborted() const;
@@ -119,7 +135,7 @@ class ShmAllreduce {
   uint64_t step_ = 0;
   uint64_t calls_ = 0;
   std::string failure_;
-  CrossNode cross_node_;
+  std::shared_ptr<CrossNode> cross_node_;
   std::vector<char> node_sums_;  // this rank's slices summed within the node, across nodes
 };
 

@@ -46,6 +46,22 @@ JOB = textwrap.dedent('''
         ddpx.all_reduce(big, compression=compression)
         out[f"sum-{compression}"] = [big.min().item(), big.max().item()]
         out[f"bytes-{compression}"] = engine.bytes_across_nodes - before
+    # Bad calls: the sizes differ within node 1, between the nodes, or rank 1 passes integers.
+    # Every rank must raise (none may hang in the exchange across nodes), and stay in step.
+    bad_calls = {
+        "within": lambda: torch.ones(1000 + (rank == 3)),
+        "across": lambda: torch.ones(1000 if rank < 2 else 2000),
+        "rejected": lambda: torch.ones(1000, dtype=torch.int64 if rank == 1 else torch.float32),
+    }
+    for case, make in bad_calls.items():
+        try:
+            ddpx.all_reduce(make())
+            out[case] = "no error"
+        except (RuntimeError, ValueError) as error:
+            out[case] = str(error)
+        after = torch.full((1000,), float(rank + 1))
+        ddpx.all_reduce(after)
+        out[f"after-{case}"] = [after.min().item(), after.max().item()]
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     gc.collect()
@@ -92,6 +108,15 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
         for mine, default in zip(result["ddpx-bf16"], result["default"], strict=True):
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(default), rtol=0,
                                        atol=1e-2)
+    errors = {case: [r[case] for r in results] for case in ("within", "across", "rejected")}
+    for case, messages in errors.items():
+        assert "no error" not in messages, (case, messages)
+        assert all(r[f"after-{case}"] == [10.0, 10.0] for r in results), case
+    assert all("ranks disagree" in m for m in errors["within"][2:]), errors["within"]
+    assert all("failed on node 1" in m for m in errors["within"][:2]), errors["within"]
+    assert all("nodes disagree" in m and "2000" in m for m in errors["across"]), errors["across"]
+    assert "int64" in errors["rejected"][1] and "rank 1 rejected" in errors["rejected"][0]
+    assert all("failed on node 0" in m for m in errors["rejected"][2:]), errors["rejected"]
     for hook in ("ddpx", "ddpx-bf16"):
         assert all(result[hook] == results[0][hook] for result in results), \
             f"{hook}: ranks hold different parameters"
