@@ -38,20 +38,19 @@ def _debug(flags):
 
 
 def get_extensions():
-    flags = _debug(SPEC["cxx_flags"](torch.__version__))
-    sources = [os.path.join("csrc", name) for name in SPEC["CPP_SOURCES"]]
-    toolkit = SPEC["cuda_toolkit"](torch.version.cuda, cpp_extension.CUDA_HOME)
-    if toolkit is None:
+    build = SPEC["plan"](torch.__version__, torch.version.cuda, cpp_extension.CUDA_HOME,
+                         os.path.dirname(torch.__file__))
+    sources = [os.path.join("csrc", name) for name in build["sources"]]
+    flags = _debug(build["cxx"])
+    if build["cuda_home"] is None:
         if torch.version.cuda is not None and os.environ.get("DDPX_SKIP_CUDA") != "1":
             print(f"ddpx: torch {torch.__version__} is a CUDA build but no CUDA toolkit (bin/nvcc "
                   "and include/cuda_runtime.h) is under CUDA_HOME or /usr/local/cuda; building "
                   "without the CUDA kernels (set CUDA_HOME to build them)", file=sys.stderr)
         return [CppExtension("ddpx._C", sources, extra_compile_args={"cxx": flags})]
     # The extension's include and library paths and its nvcc all come from this global.
-    cpp_extension.CUDA_HOME = toolkit
-    sources += [os.path.join("csrc", name) for name in SPEC["CUDA_SOURCES"]]
-    flags += SPEC["cuda_cxx_flags"](os.path.dirname(torch.__file__))
-    nvcc = _debug(SPEC["nvcc_flags"]())
+    cpp_extension.CUDA_HOME = build["cuda_home"]
+    nvcc = _debug(build["nvcc"])
     return [CUDAExtension("ddpx._C", sources, extra_compile_args={"cxx": flags, "nvcc": nvcc})]
 
 

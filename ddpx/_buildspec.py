@@ -1,4 +1,5 @@
-"""What ddpx._C is built from, shared by setup.py and the loader's build at first use.
+"""What ddpx._C is built from and how (``plan``), shared by setup.py and the loader's build at
+first use.
 
 Kept free of imports from ddpx (and of torch) so that setup.py can read it before the package
 exists.
@@ -25,6 +26,27 @@ CUDA_SOURCES = (
 # GPUs compiled for unless TORCH_CUDA_ARCH_LIST says otherwise: Ampere, Ada and Hopper, plus
 # Hopper's PTX, which newer GPUs compile when the extension loads.
 CUDA_ARCHS = ("80", "86", "89", "90")
+
+
+def plan(torch_version: str, torch_cuda: str | None, cuda_home: str | None,
+         torch_dir: str) -> dict:
+    """The build of ddpx._C for this torch: ``sources`` (paths under csrc/), ``cxx`` and ``nvcc``
+    flags, and ``cuda_home``, the toolkit to compile the CUDA sources with (None, and nvcc None,
+    for a C++-only build).
+
+    ``torch_cuda`` is torch.version.cuda, ``cuda_home`` torch.utils.cpp_extension.CUDA_HOME and
+    ``torch_dir`` the folder of the torch package.
+    """
+    toolkit = cuda_toolkit(torch_cuda, cuda_home)
+    if toolkit is None:
+        return {"sources": list(CPP_SOURCES), "cxx": cxx_flags(torch_version), "nvcc": None,
+                "cuda_home": None}
+    return {
+        "sources": [*CPP_SOURCES, *CUDA_SOURCES],
+        "cxx": cxx_flags(torch_version) + cuda_cxx_flags(torch_dir),
+        "nvcc": nvcc_flags(),
+        "cuda_home": toolkit,
+    }
 
 
 def cxx_flags(torch_version: str) -> list[str]:

@@ -13,14 +13,7 @@ from types import ModuleType
 
 import torch
 
-from ddpx._buildspec import (
-    CPP_SOURCES,
-    CUDA_SOURCES,
-    cuda_cxx_flags,
-    cuda_toolkit,
-    cxx_flags,
-    nvcc_flags,
-)
+from ddpx._buildspec import CPP_SOURCES, plan
 
 logger = logging.getLogger("ddpx")
 
@@ -63,16 +56,13 @@ def _build(reason: str) -> ModuleType:
     if shutil.which("ninja") is None:
         raise ImportError(f"ddpx: {reason}, and building it needs ninja: pip install ninja")
     source_dir = _source_dir()
-    sources = [source_dir / name for name in CPP_SOURCES]
-    flags = cxx_flags(torch.__version__)
-    cuda_flags = []
-    toolkit = cuda_toolkit(torch.version.cuda, cpp_extension.CUDA_HOME)
-    if toolkit is not None:
+    build = plan(torch.__version__, torch.version.cuda, cpp_extension.CUDA_HOME,
+                 os.path.dirname(torch.__file__))
+    sources = [source_dir / name for name in build["sources"]]
+    flags, cuda_flags = build["cxx"], build["nvcc"] or []
+    if build["cuda_home"] is not None:
         # The build's include and library paths and its nvcc all come from this global.
-        cpp_extension.CUDA_HOME = toolkit
-        sources += [source_dir / name for name in CUDA_SOURCES]
-        flags += cuda_cxx_flags(os.path.dirname(torch.__file__))
-        cuda_flags = nvcc_flags()
+        cpp_extension.CUDA_HOME = build["cuda_home"]
     build_dir = _cache_dir(sources, flags + cuda_flags)
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("ddpx_C*.so")):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import ddpx
+from ddpx._buildspec import CPP_SOURCES, CUDA_SOURCES, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 # An editable install maps ddpx to the checkout through a finder ahead of PYTHONPATH; drop it so
@@ -27,6 +28,34 @@ def test_prebuilt_extension_matches_this_torch():
     assert info["cpu_isa"] in ("avx2", "portable")
     assert info["cuda"] is False or torch.version.cuda is not None
     assert Path(info["path"]).name.startswith("_C")
+
+
+def test_build_plan_adds_cuda_only_for_a_cuda_torch_with_a_toolkit(tmp_path, monkeypatch):
+    """setup.py and the loader build from this plan; no GPU or CUDA torch is needed to check it."""
+    for name in ("DDPX_SKIP_CUDA", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.delenv(name, raising=False)
+    toolkit = tmp_path / "cuda"
+    for path in ("bin/nvcc", "include/cuda_runtime.h"):
+        (toolkit / path).parent.mkdir(parents=True, exist_ok=True)
+        (toolkit / path).touch()
+
+    cpu = plan("2.13.0", None, str(toolkit), "/torch")
+    assert cpu == {"sources": list(CPP_SOURCES), "cxx": cpu["cxx"], "nvcc": None,
+                   "cuda_home": None}
+    assert "-DDDPX_TORCH_VERSION=2.13.0" in cpu["cxx"]
+    assert not any(flag.startswith("-march") or flag.startswith("-std") for flag in cpu["cxx"])
+
+    gpu = plan("2.13.0", "13.0", str(toolkit), "/torch")
+    assert gpu["cuda_home"] == str(toolkit)
+    assert gpu["sources"] == [*CPP_SOURCES, *CUDA_SOURCES]
+    assert gpu["cxx"][: len(cpu["cxx"])] == cpu["cxx"] and "-DDDPX_WITH_CUDA" in gpu["cxx"]
+    assert "-gencode=arch=compute_90,code=sm_90" in gpu["nvcc"]  # Hopper, listed explicitly
+    assert "--use_fast_math" not in gpu["nvcc"]
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    assert not any("gencode" in flag for flag in plan("2.13.0", "13.0", str(toolkit), "/t")["nvcc"])
+    monkeypatch.setenv("DDPX_SKIP_CUDA", "1")
+    assert plan("2.13.0", "13.0", str(toolkit), "/torch")["cuda_home"] is None
 
 
 def source_copy_without_extension(tmp_path: Path) -> dict:
