@@ -64,13 +64,18 @@ class AcrossNodes final : public CrossNode {
   int node() const override { return group_->getRank(); }
   uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
 
-  std::vector<int64_t> gather(const std::vector<int64_t>& mine) override {
-    std::vector<int64_t> all(mine.size() * size_t(nodes_));
-    at::Tensor in = at::from_blob(const_cast<int64_t*>(mine.data()), {int64_t(mine.size())},
-                                  at::kLong);
-    at::Tensor out = at::from_blob(all.data(), {int64_t(all.size())}, at::kLong);
-    all_gather(*group_, out, in)->wait();
-    return all;
+  void start_gather(const std::vector<int64_t>& mine) override {
+    const int64_t n = int64_t(mine.size());
+    words_in_ = at::tensor(at::IntArrayRef(mine), at::kLong);
+    words_out_ = at::empty({n * nodes_}, at::kLong);
+    gathering_ = all_gather(*group_, words_out_, words_in_);
+  }
+
+  std::vector<int64_t> finish_gather() override {
+    auto work = std::move(gathering_);
+    work->wait();
+    const int64_t* words = words_out_.const_data_ptr<int64_t>();
+    return std::vector<int64_t>(words, words + words_out_.numel());
   }
 
   void reduce(void* data, DType acc, DType wire, int64_t n) override {
@@ -115,6 +120,8 @@ class AcrossNodes final : public CrossNode {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int nodes_;
   at::Tensor dealt_, received_, mine_;
+  at::Tensor words_in_, words_out_;
+  c10::intrusive_ptr<c10d::Work> gathering_;
   std::atomic<uint64_t> bytes_sent_{0};
 };
 

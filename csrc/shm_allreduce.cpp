@@ -301,24 +301,43 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
   }
 }
 
-void ShmAllreduce::check_nodes_agree(const CallMeta& mine, const std::string& local_error,
-                                     const std::string& what) {
+namespace {
+
+constexpr size_t kNodeWords = 6;
+
+std::vector<int64_t> node_words(bool ok, uint64_t call, int64_t numel, int32_t dtype, int32_t wire,
+                                double scale) {
   int64_t scale_bits;
-  static_assert(sizeof scale_bits == sizeof mine.scale);
-  std::memcpy(&scale_bits, &mine.scale, sizeof scale_bits);
-  constexpr size_t kWords = 6;
-  const std::vector<int64_t> words{local_error.empty() ? 0 : 1, int64_t(mine.call), mine.numel,
-                                   mine.dtype, mine.wire, scale_bits};
+  static_assert(sizeof scale_bits == sizeof scale);
+  std::memcpy(&scale_bits, &scale, sizeof scale_bits);
+  return {ok ? 0 : 1, int64_t(call), numel, dtype, wire, scale_bits};
+}
+
+}  // namespace
+
+void ShmAllreduce::start_node_check(const CallMeta& mine, bool ok, const std::string& what) {
+  try {
+    cross_node_->start_gather(node_words(ok, mine.call, mine.numel, mine.dtype, mine.wire, mine.scale));
+  } catch (const std::exception& e) {
+    fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
+         e.what());
+  }
+}
+
+void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& local_error,
+                                     const std::string& what) {
   std::vector<int64_t> all;
   try {
-    all = cross_node_->gather(words);
+    all = cross_node_->finish_gather();
   } catch (const std::exception& e) {
     fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
          e.what());
   }
   if (!local_error.empty()) throw std::runtime_error(local_error);
+  const std::vector<int64_t> words =
+      node_words(true, mine.call, mine.numel, mine.dtype, mine.wire, mine.scale);
   for (int node = 0; node < cross_node_->nodes(); ++node) {
-    const int64_t* theirs = all.data() + size_t(node) * kWords;
+    const int64_t* theirs = all.data() + size_t(node) * kNodeWords;
     if (theirs[0] != 0) {
       throw std::runtime_error("ddpx: " + what + " failed on node " + std::to_string(node) +
                                " (a rank there rejected its input or disagreed with its node; its "
@@ -348,8 +367,9 @@ void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
   if (cross_node_) {
+    start_node_check(rejected, false, what);
     try {
-      check_nodes_agree(rejected, reason, what);
+      finish_node_check(rejected, reason, what);
     } catch (const std::runtime_error&) {
       // This rank's own reason is the one to raise.
     }
@@ -409,7 +429,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       } catch (const std::runtime_error& e) {
         local_error = e.what();
       }
-      check_nodes_agree(mine, local_error, what);
+      start_node_check(mine, local_error.empty(), what);
+      if (!local_error.empty()) finish_node_check(mine, local_error, what);
     }
     return step;
   };
@@ -458,6 +479,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     sum_my_slice(step, lo, hi, node_sums_.data() + size_t(offset) * acc_size);
     offset += hi - lo;
   }
+  // The check across nodes started with the first block and ran while the node summed the rest.
+  finish_node_check(mine, "", what);
   if (total > 0) {
     try {
       cross_node_->reduce(node_sums_.data(), acc, wire, total);

@@ -67,8 +67,10 @@ class CrossNode {
   virtual ~CrossNode() = default;
   virtual int nodes() const = 0;
   virtual int node() const = 0;  // this rank's node, 0 .. nodes() - 1
-  // Every node's words, in node order; each node passes the same number. Throws on failure.
-  virtual std::vector<int64_t> gather(const std::vector<int64_t>& mine) = 0;
+  // Starts trading words with the other nodes (each passes the same number); finish_gather
+  // returns every node's, in node order. Both throw on failure.
+  virtual void start_gather(const std::vector<int64_t>& mine) = 0;
+  virtual std::vector<int64_t> finish_gather() = 0;
   // Sums n accumulation-dtype elements in place over the nodes, sending them in the wire dtype.
   // Throws on failure.
   virtual void reduce(void* data, DType acc, DType wire, int64_t n) = 0;
@@ -113,11 +115,12 @@ class ShmAllreduce {
   void wait_all(Phase phase, uint64_t step, const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
-  // Hierarchical only: trades this call's description and the node's verdict on it (local_error,
-  // empty when the node's ranks agree) with the other nodes, then raises on every rank if any
-  // node found a problem or the nodes disagree. Every rank trades once per call, so all stay in
-  // step whatever went wrong where.
-  void check_nodes_agree(const CallMeta& mine, const std::string& local_error,
+  // Hierarchical only: sends this call's description and the node's verdict on it (ok: the
+  // node's ranks agree) to the other nodes; the finish raises on every rank if any node found a
+  // problem (local_error: this node's) or the nodes disagree. Every rank trades once per call, so
+  // all stay in step whatever went wrong where; the trade overlaps the node's own summing.
+  void start_node_check(const CallMeta& mine, bool ok, const std::string& what);
+  void finish_node_check(const CallMeta& mine, const std::string& local_error,
                          const std::string& what);
   std::string rank_name(int local) const;
   [[noreturn]] void fail(const std::string& message);
