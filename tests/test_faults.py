@@ -85,13 +85,17 @@ TRAIN_AND_DIE = """
     # torchrun SIGTERMs the other workers once it sees rank 1 die; ignoring that lets every
     # survivor show what ddpx raised (torchrun still SIGKILLs them after its grace period).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "NODES" in os.environ:  # split the ranks into nodes, as a multi-node launch would
+        per_node = int(os.environ["LOCAL_WORLD_SIZE"]) // int(os.environ["NODES"])
+        os.environ["GROUP_RANK"] = str(int(os.environ["LOCAL_RANK"]) // per_node)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     open(f"pid.{rank}", "w").write(str(os.getpid()))
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)),
                 bucket_cap_mb=0.05)
-    ddpx.register_fused_hook(model, timeout=timedelta(seconds=10))
+    state = ddpx.register_fused_hook(model, timeout=timedelta(seconds=10))
+    open(f"path.{rank}", "w").write(state.describe())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
         for step in range(1000):
@@ -108,10 +112,10 @@ TRAIN_AND_DIE = """
 """
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, tmp_path):
+@pytest.mark.parametrize("world, nodes", [(2, 1), (4, 1), (4, 2)])
+def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_path):
     before = shm_segments()
-    proc = launch(TRAIN_AND_DIE, world, tmp_path)
+    proc = launch(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)})
     try:
         rc, out, elapsed = finish(proc, timeout=90)
     finally:
@@ -124,10 +128,15 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, tmp_path):
     # (Each rank writes its error to its own file: the ranks' output lines interleave.)
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == [f"error.{r}" for r in range(world) if r != 1], out
-    for line in raised.values():
+    for name, line in raised.items():
         assert "AT STEP 5: ddpx:" in line, line
-        assert "rank 1 (pid" in line and "exited while" in line, line
         assert "gradient bucket" in line, line
+        if nodes == 1 or name == "error.0":  # rank 0 shares rank 1's node
+            assert "rank 1 (pid" in line and "exited while" in line, line
+    if nodes > 1:
+        # The other node learns it from the cross-node link, which the dead rank's exit closed.
+        for r in range(world):
+            assert "hierarchical across 2 nodes" in (tmp_path / f"path.{r}").read_text()
     pids = read_pids(tmp_path)
     assert len(pids) == world
     assert_no_job_left(tmp_path, pids)
