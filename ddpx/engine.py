@@ -1,12 +1,13 @@
 """Which engine reduces a process group's tensors, and how the node's ranks set it up.
 
 One engine per process group, made collectively the first time the group is used: the ranks of
-the group meet through the job's c10d store, the lowest rank of the node creates the
+the group meet through the job's c10d store, the lowest rank of each node creates the node's
 shared-memory segment under a random name, every rank maps it, and the name is unlinked as soon
-as all have, so nothing is left in /dev/shm whatever happens to the job afterwards. Where shared
-memory cannot serve (ranks on several nodes, no room in /dev/shm), the engine is the process
-group's own all-reduce. CUDA tensors go to the CUDA engine (csrc/cuda) where the extension was
-built with its kernels, else to the process group's all-reduce too.
+as all have, so nothing is left in /dev/shm whatever happens to the job afterwards. A group that
+spans nodes is reduced hierarchically, between nodes through a process group of the ranks with
+the same local index. Where shared memory cannot serve (no room in /dev/shm on some node), the
+engine is the process group's own all-reduce. CUDA tensors go to the CUDA engine (csrc/cuda)
+where the extension was built with its kernels, else to the process group's all-reduce too.
 """
 
 from __future__ import annotations
@@ -181,13 +182,20 @@ def _node_identity() -> str:
     return f"{_host_identity()}#{os.environ.get('GROUP_RANK', '0')}"
 
 
-def _across_nodes(group, members: list[list[int]], index: int):
-    """The process group of the ranks with local index ``index`` on every node; creating them
-    is collective over the world, so every rank creates all of them, in the same order."""
-    if group is not dist.group.WORLD:
-        return None
-    groups = [dist.new_group([node[i] for node in members]) for i in range(len(members[0]))]
-    return groups[index]
+# global ranks (one per node, in node order) -> their process group. Weak: torch holds a group
+# until destroy_process_group, and a new one must be made after that.
+_across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _across_nodes(ranks: list[int]):
+    """The process group of these global ranks, the same local index on every node. Only they
+    make it (so any group can span nodes), and engines that pair the same ranks share it."""
+    key = tuple(ranks)
+    group = _across_groups.get(key)
+    if group is None:
+        group = dist.new_group(list(key), use_local_synchronization=True)
+        _across_groups[key] = group
+    return group
 
 
 def _create_engine(group, timeout: timedelta | None):
@@ -207,13 +215,10 @@ def _create_engine(group, timeout: timedelta | None):
             f"ddpx: the job's nodes run different numbers of ranks ({[len(m) for m in members]});"
             " the hierarchical all-reduce needs the same number on every node: launch every node "
             "with the same --nproc_per_node / --num_processes")
-    across = _across_nodes(group, members, members[node].index(me)) if len(names) > 1 else None
-    if len(names) > 1 and across is None:
-        result = (f"the group spans {len(names)} nodes, and only the world group is reduced "
-                  "hierarchically")
-    else:
-        result = _create_shm_engine(meeting, me, members[node], node,
-                                    dist.get_process_group_ranks(group), timeout, across)
+    ranks = dist.get_process_group_ranks(group)
+    index = members[node].index(me)
+    across = _across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else None
+    result = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
     # One node without shared memory makes every node fall back: the paths must match.
     meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
     reasons = [meeting.get(f"usable/{r}") for r in range(size)]

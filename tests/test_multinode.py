@@ -1,6 +1,7 @@
 """Two nodes on one machine: two torchrun launches side by side (--nnodes 2, 2 ranks each), so
 ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchically: within each
-node through that node's own segment, across nodes through the process group."""
+node through that node's own segment, across nodes through the process group. Also with
+compression, for groups other than the world, and with bad calls that must raise on every node."""
 
 import json
 import os
@@ -62,6 +63,14 @@ JOB = textwrap.dedent('''
         after = torch.full((1000,), float(rank + 1))
         ddpx.all_reduce(after)
         out[f"after-{case}"] = [after.min().item(), after.max().item()]
+    # Other groups that span nodes: one rank per node, sharing the world's cross-node groups,
+    # and all four ranks listed node 1 first.
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    backwards = dist.new_group([2, 3, 0, 1])
+    for name, group in (("pair", pairs[rank % 2]), ("backwards", backwards)):
+        t = torch.full((300_000,), float(rank + 1))
+        ddpx.all_reduce(t, group=group, compression="bf16" if name == "pair" else None)
+        out[name] = [t.min().item(), t.max().item(), ddpx.FusedHookState(group).describe()]
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     gc.collect()
@@ -108,6 +117,13 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
         for mine, default in zip(result["ddpx-bf16"], result["default"], strict=True):
             torch.testing.assert_close(torch.tensor(mine), torch.tensor(default), rtol=0,
                                        atol=1e-2)
+    for rank, result in enumerate(results):
+        low, high, path = result["pair"]
+        assert low == high == (4.0 if rank % 2 == 0 else 6.0), result["pair"]
+        assert "1 local rank," in path and "hierarchical across 2 nodes" in path, path
+        low, high, path = result["backwards"]
+        assert low == high == 10.0, result["backwards"]
+        assert "2 local ranks" in path and "hierarchical across 2 nodes" in path, path
     errors = {case: [r[case] for r in results] for case in ("within", "across", "rejected")}
     for case, messages in errors.items():
         assert "no error" not in messages, (case, messages)
