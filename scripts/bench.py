@@ -22,8 +22,11 @@ Under a launcher, the launcher's processes are the ranks and only its world size
 
 allreduce: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
 1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
-(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression). Engines that
-do not work here are left out with a note. In each cell (world size, size):
+(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), and
+`copy`, which is not an all-reduce: every rank at once copies its tensor into a buffer of the same
+size, the least memory traffic (read the tensor, write a result) any in-place all-reduce needs, a
+floor to read the others against (it is timed, not checked). Engines that do not work here are
+left out with a note. In each cell (world size, size):
   - each engine reduces random inputs once and is compared with a float64 sum; a wrong sum stops
     the run with exit status 1;
   - then it reduces a zero-filled tensor (repeated in-place sums of zeros stay finite) in batches
@@ -85,11 +88,12 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16")
+ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy")
 COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 WIRE = {
     "gloo": None,
+    "copy": None,
     "ddpx": None,
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
@@ -401,6 +405,8 @@ def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
     for name in requested:
         if name == "gloo":
             engines[name] = dist.all_reduce
+        elif name == "copy":
+            engines[name] = _CopyFloor()
         elif ddpx is None:
             left_out[name] = why_not
         else:
@@ -408,6 +414,18 @@ def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
             )
     return engines
+
+
+class _CopyFloor:
+    """The `copy` engine: reads the tensor and writes a buffer of its size, nothing else."""
+
+    def __init__(self):
+        self.buffer = torch.empty(0)
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if self.buffer.shape != tensor.shape:
+            self.buffer = torch.empty_like(tensor)
+        self.buffer.copy_(tensor)
 
 
 def _add_if_it_works(
@@ -471,6 +489,9 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
     mine = _random_input(seed, dist.get_rank(), numel)
     errors = {}
     for name, engine in engines.items():
+        if name == "copy":
+            errors[name] = {"max_abs_error": None, "tolerance": None, "inter_node_bytes": None}
+            continue
         result = mine.clone()
         sent = _bytes_across_nodes() if count_bytes and name != "gloo" else None
         engine(result)
@@ -905,7 +926,8 @@ def plot_allreduce(rows: list[dict], path: Path) -> None:
                 row for row in rows if (row["world_size"], row["engine"]) == (world_size, engine)
             ]
             x = [row["size_bytes"] for row in cells]
-            ax.plot(x, [row["median_ms"] for row in cells], marker="o", label=engine)
+            style = "--" if engine == "copy" else "-"
+            ax.plot(x, [row["median_ms"] for row in cells], style, marker="o", label=engine)
             low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
             ax.fill_between(x, low, high, alpha=0.2)
         nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)
