@@ -130,14 +130,19 @@ namespace {
 // torch's name of a dtype ("int64", not ScalarType's "Long"), as users wrote it.
 std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }
 
-// Why the shared-memory engine cannot take this tensor, or an empty string.
-std::string invalid_input(const at::Tensor& tensor, const Request& request) {
+}  // namespace
+
+std::string invalid_input(const at::Tensor& tensor, const Request& request,
+                          c10::DeviceType device) {
+  const bool cpu = device == c10::DeviceType::CPU;
   std::ostringstream why;
   if (!tensor.defined()) {
     why << "ddpx: " << request.what << " got an undefined tensor";
-  } else if (!tensor.device().is_cpu()) {
-    why << "ddpx: the shared-memory engine reduces CPU tensors, " << request.what << " is on "
-        << tensor.device() << "; move it to the CPU or reduce it with torch.distributed";
+  } else if (tensor.device().type() != device) {
+    why << "ddpx: the " << (cpu ? "shared-memory engine reduces CPU" : "CUDA engine reduces CUDA")
+        << " tensors, " << request.what << " is on " << tensor.device()
+        << (cpu ? "; move it to the CPU or reduce it with torch.distributed"
+                : "; reduce it with the engine of its device");
   } else if (!tensor.is_contiguous()) {
     why << "ddpx: " << request.what << " is not contiguous (strides " << tensor.strides()
         << "): pass tensor.contiguous() and copy the result back";
@@ -147,15 +152,39 @@ std::string invalid_input(const at::Tensor& tensor, const Request& request) {
            "for other dtypes)";
   } else if (request.wire && !to_dtype(*request.wire)) {
     why << "ddpx: compression to " << dtype_name(*request.wire) << " is not supported";
-  } else if (request.wire && (*request.wire == at::kDouble) != (tensor.scalar_type() == at::kDouble)) {
-    why << "ddpx: " << request.what << " is " << dtype_name(tensor.scalar_type())
-        << " and cannot travel as " << dtype_name(*request.wire)
-        << "; compress float32/bfloat16/float16 data only";
+  } else if (request.wire && *request.wire != tensor.scalar_type()) {
+    // Compression narrows float32/bfloat16/float16 data to a 16-bit wire dtype, nothing else.
+    const at::ScalarType dtype = tensor.scalar_type(), wire = *request.wire;
+    const auto refuse = [&](const char* instead) {
+      why << "ddpx: " << request.what << " is " << dtype_name(dtype) << " and cannot travel as "
+          << dtype_name(wire) << "; " << instead;
+    };
+    if (dtype == at::kDouble) {
+      refuse("compress float32/bfloat16/float16 data only");
+    } else if (wire == at::kFloat || wire == at::kDouble) {
+      refuse("send it in its own dtype, bfloat16 or float16");
+    }
   }
   return why.str();
 }
 
-}  // namespace
+c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
+                                                         at::Tensor tensor, double scale,
+                                                         bool premul_sum,
+                                                         std::chrono::milliseconds timeout) {
+  c10d::AllreduceOptions opts;
+  opts.timeout = timeout;
+  if (scale != 1.0 && premul_sum) {
+    opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
+    opts.reduceOp.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(scale);
+  } else if (scale != 1.0) {
+    tensor.mul_(scale);
+  }
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = group.allreduce(tensors, opts);
+  return work->getFuture()->then(
+      [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
+}
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      c10::intrusive_ptr<c10d::ProcessGroup> across_nodes)
@@ -188,7 +217,7 @@ void ShmEngine::shutdown() {
 }
 
 void ShmEngine::execute(ShmAllreduce& shm, const at::Tensor& tensor, const Request& request) {
-  const std::string why = invalid_input(tensor, request);
+  const std::string why = invalid_input(tensor, request, c10::DeviceType::CPU);
   if (!why.empty()) shm.reject(why, request.what);
   const DType dtype = *to_dtype(tensor.scalar_type());
   const DType wire = request.wire ? *to_dtype(*request.wire) : dtype;
@@ -270,11 +299,7 @@ c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::run_async(at::Tensor
     throw std::invalid_argument("ddpx: compression is not available on the process-group path (" +
                                 reason_ + ")");
   }
-  if (request.scale != 1.0) tensor.mul_(request.scale);
-  std::vector<at::Tensor> tensors{tensor};
-  auto work = group_->allreduce(tensors);
-  return work->getFuture()->then(
-      [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
+  return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false);
 }
 
 void ProcessGroupEngine::run(at::Tensor tensor, const Request& request) {

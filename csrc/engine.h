@@ -33,13 +33,23 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
                                           at::Tensor& in,
                                           std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
 
-class AcrossNodes;
-
 struct Request {
   double scale = 1.0;                   // applied to every rank's input before the sum
   std::optional<at::ScalarType> wire;   // dtype in transit; the tensor's own when empty
   std::string what;                     // names the call in errors ("gradient bucket 3")
 };
+
+// Why an engine for `device` tensors cannot reduce this tensor as requested, or "".
+std::string invalid_input(const at::Tensor& tensor, const Request& request, c10::DeviceType device);
+
+// The group's all-reduce of tensor with every rank's input scaled by `scale` (inside the
+// reduction as a premultiplied sum with premul_sum, which NCCL has; else by a multiplication
+// first). The future holds tensor.
+c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(
+    c10d::ProcessGroup& group, at::Tensor tensor, double scale, bool premul_sum,
+    std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+
+class AcrossNodes;
 
 class Engine {
  public:

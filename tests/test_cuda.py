@@ -5,12 +5,15 @@ fused hook and ddpx.all_reduce reduce CUDA tensors over NCCL (on 1 GPU, and on 2
 
 import copy
 import os
+import re
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
 from ddpx._buildspec import CUDA_SOURCES
@@ -48,6 +51,45 @@ def test_cuda_source_compiles(source, tmp_path):
                "-o", str(tmp_path / "out.o")]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr}"
+
+
+def _cuda_include() -> Path | None:
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            return Path(home) / "include"
+    return None
+
+
+GLUE = [ROOT / "csrc" / name for name in CUDA_SOURCES if name.endswith(".cpp")]
+
+
+@pytest.mark.skipif(_cuda_include() is None or shutil.which("c++") is None,
+                    reason="no CUDA headers in CUDA_HOME or /usr/local/cuda, or no c++")
+@pytest.mark.parametrize("source", GLUE, ids=lambda p: p.name)
+def test_cuda_glue_has_no_compile_errors_of_its_own(source, tmp_path):
+    """The torch glue (cuda_engine.cpp) builds only against a CUDA torch. A CPU torch ships the
+    same headers but not those of the CUDA libraries (cusparse.h, ...) nor a generated
+    cuda_cmake_macros.h: with empty stand-ins for them, the compiler still parses every line of
+    ddpx's sources. Errors in torch's headers (types the stand-ins lack) do not count; any in
+    ddpx's own files fail the test."""
+    stubs = tmp_path / "stubs"
+    command = ["c++", "-std=c++20", "-fsyntax-only", "-fmax-errors=1000", "-DDDPX_WITH_CUDA",
+               "-DTORCH_EXTENSION_NAME=_C", *(f"-I{p}" for p in cpp_extension.include_paths()),
+               f"-I{_cuda_include()}", f"-I{sysconfig.get_paths()['include']}", f"-I{stubs}",
+               str(source)]
+    for _ in range(20):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        missing = re.search(r"fatal error: ([\w./]+): No such file", result.stderr)
+        if missing is None:
+            break
+        stub = stubs / missing.group(1)
+        assert not stub.exists(), result.stderr
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.touch()
+    ours = [line for line in result.stderr.splitlines()
+            if re.match(rf"{re.escape(str(ROOT / 'csrc'))}/\S+:\d+:\d+: error", line)]
+    assert not ours, "\n".join(ours)
+    assert "fatal error" not in result.stderr, result.stderr
 
 
 def _scale_cast(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:

@@ -115,6 +115,8 @@ def disagreement(rank, world):
             ddpx.all_reduce(torch.ones(32))
     with pytest.raises(ValueError, match="int64"):
         ddpx.all_reduce(torch.ones(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="float64 and cannot travel as bfloat16"):
+        ddpx.all_reduce(torch.ones(8, dtype=torch.float64), compression="bf16")
     with pytest.raises(ValueError, match="compression='int8'"):
         ddpx.all_reduce(torch.ones(8), compression="int8")
     # Every failed call above was a failed call on every rank: the engine is still in step.

@@ -52,10 +52,14 @@ class CudaEngine final : public Engine {
         backend_(group_->getBackend(c10::DeviceType::CUDA)->getBackendName()) {}
 
   FuturePtr run_async(at::Tensor tensor, Request request) override {
-    const at::ScalarType wire = checked_wire(tensor, request);
+    const std::string why = invalid_input(tensor, request, c10::DeviceType::CUDA);
+    TORCH_CHECK_VALUE(why.empty(), why);
+    const at::ScalarType wire = request.wire.value_or(tensor.scalar_type());
     const c10::cuda::CUDAGuard device(tensor.device());
     if (tensor.numel() == 0) return completed(tensor);
-    if (wire == at::kFloat || wire == at::kDouble) return allreduce_scaled(tensor, request.scale);
+    if (wire == at::kFloat || wire == at::kDouble) {
+      return scaled_allreduce(*group_, tensor, request.scale, backend_ == "nccl", timeout_);
+    }
     return allreduce_compressed(tensor, wire, request.scale);
   }
 
@@ -71,49 +75,12 @@ class CudaEngine final : public Engine {
   }
 
  private:
-  static at::ScalarType checked_wire(const at::Tensor& tensor, const Request& request) {
-    TORCH_CHECK(tensor.defined(), "ddpx: ", request.what, " got an undefined tensor");
-    TORCH_CHECK(tensor.is_cuda(), "ddpx: the CUDA engine reduces CUDA tensors, ", request.what,
-                " is on ", tensor.device(), "; reduce it with the engine of its device");
-    TORCH_CHECK(tensor.is_contiguous(), "ddpx: ", request.what, " is not contiguous (strides ",
-                tensor.strides(), "): pass tensor.contiguous() and copy the result back");
-    const at::ScalarType dtype = tensor.scalar_type();
-    TORCH_CHECK(dtype == at::kDouble || wire_type(dtype), "ddpx: ", request.what, " has dtype ",
-                dtype, "; ddpx reduces float32, float64, bfloat16 and float16 (use "
-                "torch.distributed.all_reduce for other dtypes)");
-    const at::ScalarType wire = request.wire.value_or(dtype);
-    if (wire == at::kFloat || wire == at::kDouble) {
-      TORCH_CHECK(wire == dtype, "ddpx: ", request.what, " is ", dtype, " and cannot travel as ",
-                  wire, " on the GPU path; send it in its own dtype, bfloat16 or float16");
-    } else {
-      TORCH_CHECK(wire_type(wire), "ddpx: compression to ", wire, " is not supported");
-      TORCH_CHECK(dtype != at::kDouble, "ddpx: ", request.what, " is float64 and cannot travel as ",
-                  wire, "; compress float32/bfloat16/float16 data only");
-    }
-    return wire;
-  }
-
   // A future that completes when the work queued so far on the current stream is done.
   static FuturePtr completed(const at::Tensor& tensor) {
     auto future = c10::make_intrusive<c10::ivalue::Future>(
         c10::TensorType::get(), std::vector<c10::Device>{tensor.device()});
     future->markCompleted(c10::IValue(tensor));
     return future;
-  }
-
-  FuturePtr allreduce_scaled(at::Tensor tensor, double scale) {
-    c10d::AllreduceOptions opts;
-    opts.timeout = timeout_;
-    if (scale != 1.0 && backend_ == "nccl") {
-      opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
-      opts.reduceOp.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(scale);
-    } else if (scale != 1.0) {
-      tensor.mul_(scale);
-    }
-    std::vector<at::Tensor> tensors{tensor};
-    auto work = group_->allreduce(tensors, opts);
-    return work->getFuture()->then(
-        [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
   }
 
   FuturePtr allreduce_compressed(at::Tensor tensor, at::ScalarType wire, double scale) {
