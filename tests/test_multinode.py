@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from distributed import kill_job, shm_segments
+from distributed import kill_job, run_ranks, shm_segments
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB = textwrap.dedent('''
@@ -146,3 +146,19 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
             # Pieces are padded to a whole element per node: at most 1 element per slice.
             assert 300_000 * 2 <= sent <= 300_000 * 2 + 2 * 2 * 64, (compression, sent)
     assert shm_segments() <= segments
+
+
+def uneven_nodes(rank, world):
+    import pytest
+
+    import ddpx
+
+    os.environ["GROUP_RANK"] = "0" if rank < 2 else "1"  # 2 ranks on node 0, 1 on node 1
+    with pytest.raises(RuntimeError, match=r"different numbers of ranks \(\[2, 1\]\)") as info:
+        ddpx.all_reduce(torch.ones(8))
+    return str(info.value)
+
+
+def test_nodes_with_different_numbers_of_ranks_fail_at_registration_on_every_rank():
+    messages = run_ranks(uneven_nodes, 3)
+    assert all("--nproc_per_node" in m for m in messages)
