@@ -70,6 +70,7 @@ import copy
 import ctypes
 import datetime
 import functools
+import gc
 import hashlib
 import json
 import math
@@ -343,6 +344,10 @@ def _run_rank(args) -> dict:
         modes = {"allreduce": bench_allreduce, "train": bench_train, "accuracy": bench_accuracy}
         return modes[args.mode](args)
     finally:
+        # Free the DDP models (reference cycles) first, so that destroying the group really ends
+        # it and joins gloo's threads. A group still alive at interpreter exit can abort there:
+        # a gloo thread that drops a finished work's Python tensors then needs the GIL.
+        gc.collect()
         dist.destroy_process_group()
 
 

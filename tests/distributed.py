@@ -4,6 +4,7 @@ back to the test."""
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -34,6 +35,7 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            gc.collect()  # see scripts/bench.py's _run_rank: the group must end before exit
             dist.destroy_process_group()
 
 
