@@ -374,12 +374,13 @@ def bench_allreduce(args) -> dict:
     left_out = {}
     engines = _allreduce_engines(args.engines, left_out)
     world_size, rows, started = dist.get_world_size(), [], time.perf_counter()
+    nodes = _node_count()
     for index, size in enumerate(args.sizes):
         cell = f"world {world_size}, {format_size(size)} (cell {index + 1}/{len(args.sizes)})"
         _progress(
             f"{cell}: checking {', '.join(engines)}; {time.perf_counter() - started:.0f} s elapsed"
         )
-        rows += _bench_cell(size, engines, args, cell)
+        rows += _bench_cell(size, engines, args, cell, nodes)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": []}
 
 
@@ -449,8 +450,8 @@ def _add_if_it_works(
     engines[name] = engine
 
 
-def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
-    errors = _check_engines(size, engines, args.seed, count_bytes=_node_count() > 1)
+def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[dict]:
+    errors = _check_engines(size, engines, args.seed, count_bytes=nodes > 1)
     zeros = torch.zeros(size // 4)
     per_call = {
         name: _seconds_per_call(engine, zeros, args.warmup) for name, engine in engines.items()
@@ -468,7 +469,7 @@ def _bench_cell(size: int, engines: dict, args, cell: str) -> list[dict]:
         rows.append(
             {
                 "world_size": dist.get_world_size(),
-                "nodes": _node_count(),
+                "nodes": nodes,
                 "size_bytes": size,
                 "engine": name,
                 **stats,
