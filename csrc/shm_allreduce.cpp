@@ -294,34 +294,33 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
     if (m.numel != mine.numel || m.dtype != mine.dtype || m.wire != mine.wire ||
         m.scale != mine.scale || m.call != mine.call) {
       throw std::runtime_error(
-          "ddpx: ranks disagree on " + what + ": " + rank_name(me_) + " has " + describe_call(mine) +
-          ", " + rank_name(r) + " has " + describe_call(m) + ". Every rank must reduce the same sizes and dtypes in the same order: check that the "
+          "ddpx: ranks disagree on " + what + ": " + rank_name(me_) + " has " +
+          describe_call(mine) + ", " + rank_name(r) + " has " + describe_call(m) +
+          ". Every rank must reduce the same sizes and dtypes in the same order: check that the "
           "model and its trainable parameters are the same on every rank");
     }
   }
 }
 
-namespace {
-
-constexpr size_t kNodeWords = 6;
-
-std::vector<int64_t> node_words(bool ok, uint64_t call, int64_t numel, int32_t dtype, int32_t wire,
-                                double scale) {
+// A call as the nodes trade it: the verdict (0: the node's ranks agree), then the CallMeta.
+std::vector<int64_t> ShmAllreduce::node_words(const CallMeta& m, bool ok) {
   int64_t scale_bits;
-  static_assert(sizeof scale_bits == sizeof scale);
-  std::memcpy(&scale_bits, &scale, sizeof scale_bits);
-  return {ok ? 0 : 1, int64_t(call), numel, dtype, wire, scale_bits};
+  static_assert(sizeof scale_bits == sizeof m.scale);
+  std::memcpy(&scale_bits, &m.scale, sizeof scale_bits);
+  return {ok ? 0 : 1, int64_t(m.call), m.numel, m.dtype, m.wire, scale_bits};
 }
-
-}  // namespace
 
 void ShmAllreduce::start_node_check(const CallMeta& mine, bool ok, const std::string& what) {
   try {
-    cross_node_->start_gather(node_words(ok, mine.call, mine.numel, mine.dtype, mine.wire, mine.scale));
+    cross_node_->start_gather(node_words(mine, ok));
   } catch (const std::exception& e) {
-    fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
-         e.what());
+    fail_node_check(what, e);
   }
+}
+
+void ShmAllreduce::fail_node_check(const std::string& what, const std::exception& e) {
+  fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
+       e.what());
 }
 
 void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& local_error,
@@ -330,14 +329,12 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
   try {
     all = cross_node_->finish_gather();
   } catch (const std::exception& e) {
-    fail("ddpx: " + rank_name(me_) + ": checking " + what + " with the other nodes failed: " +
-         e.what());
+    fail_node_check(what, e);
   }
   if (!local_error.empty()) throw std::runtime_error(local_error);
-  const std::vector<int64_t> words =
-      node_words(true, mine.call, mine.numel, mine.dtype, mine.wire, mine.scale);
+  const std::vector<int64_t> words = node_words(mine, true);
   for (int node = 0; node < cross_node_->nodes(); ++node) {
-    const int64_t* theirs = all.data() + size_t(node) * kNodeWords;
+    const int64_t* theirs = all.data() + size_t(node) * words.size();
     if (theirs[0] != 0) {
       throw std::runtime_error("ddpx: " + what + " failed on node " + std::to_string(node) +
                                " (a rank there rejected its input or disagreed with its node; its "
@@ -421,8 +418,9 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     if (count > 0) k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
     publish(Phase::Arrive, step);
     wait_all(Phase::Arrive, step, what);
-    if (b == 0 && !cross_node_) check_peers_agree(mine, what);
-    if (b == 0 && cross_node_) {
+    if (b == 0 && !cross_node_) {
+      check_peers_agree(mine, what);
+    } else if (b == 0) {
       std::string local_error;
       try {
         check_peers_agree(mine, what);

@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -119,7 +120,9 @@ class ShmAllreduce {
   // node's ranks agree) to the other nodes; the finish raises on every rank if any node found a
   // problem (local_error: this node's) or the nodes disagree. Every rank trades once per call, so
   // all stay in step whatever went wrong where; the trade overlaps the node's own summing.
+  static std::vector<int64_t> node_words(const CallMeta& m, bool ok);
   void start_node_check(const CallMeta& mine, bool ok, const std::string& what);
+  [[noreturn]] void fail_node_check(const std::string& what, const std::exception& e);
   void finish_node_check(const CallMeta& mine, const std::string& local_error,
                          const std::string& what);
   std::string rank_name(int local) const;
