@@ -89,6 +89,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (const auto* shm = dynamic_cast<const ShmEngine*>(&e)) return shm->bytes_across_nodes();
         return std::nullopt;
       })
+      .def_property_readonly("wait_stats", [](const Engine& e) -> std::optional<py::dict> {
+        const auto* shm = dynamic_cast<const ShmEngine*>(&e);
+        if (!shm) return std::nullopt;
+        const ShmAllreduce::WaitStats w = shm->wait_stats();
+        py::dict stats;
+        stats["waits"] = w.waits;
+        stats["sleeps"] = w.sleeps;
+        stats["yields"] = w.yields;
+        stats["lost_yields"] = w.lost_yields;
+        return stats;
+      })
       .def("shutdown", [](Engine& e) {
         if (auto* shm = dynamic_cast<ShmEngine*>(&e)) shm->shutdown();
       }, py::call_guard<py::gil_scoped_release>());

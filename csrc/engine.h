@@ -79,6 +79,7 @@ class ShmEngine final : public Engine {
   // sends them: 2(N-1)/N of the data for an all-reduce over N nodes, (N-1)/N for an all-to-all or
   // an all-gather. Zero on a single node.
   uint64_t bytes_across_nodes() const;
+  ShmAllreduce::WaitStats wait_stats() const { return queue_->shm->wait_stats(); }
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last

@@ -22,12 +22,15 @@ namespace {
 
 constexpr uint64_t kMagic = 0x3178706464ULL;  // "ddpx1"
 constexpr size_t kPage = 4096;
-// A waiter polls, then sleeps on a futex. Waking a sleeper costs a few hundred microseconds on
-// virtual machines (the idle vCPU is descheduled), so polling about that long first is cheap
-// insurance. It polls with sched_yield (0.3 us here): alone on its CPU that is a spin, and with
-// more threads than CPUs (4 ranks on 2 cores, or the training thread beside the communication
-// thread) it hands the CPU to them, where a pause loop would starve the rank it waits for.
-constexpr auto kPollFor = std::chrono::microseconds(1000);
+// Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
+// measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
+// per synchronisation once a process outside the job shares the core (25 MB: 330 ms instead of
+// 5 ms), and spinning without looking at where the awaited rank runs costs 2x under that load.
+constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while peers may run
+constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
+constexpr auto kLostYield = std::chrono::microseconds(200);  // a yield this long went elsewhere
+constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
+constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
@@ -52,6 +55,21 @@ bool process_exited(int pid) {
   if (paren == std::string::npos || paren + 2 >= line.size()) return false;
   const char state = line[paren + 2];
   return state == 'Z' || state == 'X';
+}
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
@@ -79,7 +97,13 @@ struct alignas(64) ShmAllreduce::RankControl {
   std::atomic<uint64_t> arrived;  // last step whose block this rank has put in its input slot
   char pad0[56];
   std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
-  char pad1[56];
+  std::atomic<int32_t> cpu;       // the CPU this rank last published from
+  char pad1[52];
+  // Peers waiting for this rank sleep on `wake`, which it bumps when it publishes while
+  // `sleepers` > 0: a publish wakes only the ranks that wait for this one.
+  std::atomic<uint32_t> sleepers;
+  std::atomic<uint32_t> wake;
+  char pad2[56];
   CallMeta meta[2];               // per slot parity: what the call starting at that step is
   int32_t pid;
   uint64_t pid_ns;
@@ -90,8 +114,6 @@ struct ShmAllreduce::Header {
   uint64_t magic;
   int32_t nranks;
   uint64_t block_bytes;
-  alignas(64) std::atomic<uint32_t> sleepers;  // ranks inside futex_wait (or about to be)
-  std::atomic<uint32_t> wake_epoch;            // the futex word, bumped when sleepers > 0
   alignas(64) std::atomic<int32_t> aborted_by;  // 0, or the local rank + 1 that gave up
 };
 
@@ -176,6 +198,8 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
              header_->block_bytes != layout_.block_bytes) {
     throw std::runtime_error("ddpx: shared memory segment was made by another ddpx version or layout");
   }
+  oversubscribed_ = layout_.nranks > usable_cpus();
+  yield_ban_ = kFirstYieldBan;
   control_[me_].pid = int32_t(getpid());
   control_[me_].pid_ns = pid_namespace();
 }
@@ -194,11 +218,13 @@ std::string ShmAllreduce::rank_name(int local) const {
 
 void ShmAllreduce::publish(Phase phase, uint64_t step) {
   auto& counter = phase == Phase::Arrive ? control_[me_].arrived : control_[me_].reduced;
+  control_[me_].cpu.store(sched_getcpu(), std::memory_order_relaxed);
   counter.store(step, std::memory_order_seq_cst);
   // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
-  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
-    header_->wake_epoch.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&header_->wake_epoch);
+  RankControl& mine = control_[me_];
+  if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
+    mine.wake.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&mine.wake);
   }
 }
 
@@ -215,42 +241,123 @@ void ShmAllreduce::fail(const std::string& message) {
   std::snprintf(mine, sizeof mine, "%s", message.c_str());
   int32_t none = 0;
   header_->aborted_by.compare_exchange_strong(none, me_ + 1, std::memory_order_acq_rel);
-  header_->wake_epoch.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&header_->wake_epoch);
+  for (int r = 0; r < layout_.nranks; ++r) {
+    control_[r].wake.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&control_[r].wake);
+  }
   throw std::runtime_error(message);
 }
 
-void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what) {
-  auto behind = [&](int r) {
-    const auto& c = phase == Phase::Arrive ? control_[r].arrived : control_[r].reduced;
-    return c.load(std::memory_order_seq_cst) < step;
-  };
-  auto ready = [&] {
-    for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && behind(r)) return false;
+std::atomic<uint64_t>& ShmAllreduce::counter(int rank, Phase phase) const {
+  return phase == Phase::Arrive ? control_[rank].arrived : control_[rank].reduced;
+}
+
+bool ShmAllreduce::peers_at(Phase phase, uint64_t step) const {
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (r != me_ && counter(r, phase).load(std::memory_order_seq_cst) < step) return false;
+  }
+  return true;
+}
+
+uint64_t ShmAllreduce::peers_progress(Phase phase) const {
+  uint64_t sum = 0;
+  for (int r = 0; r < layout_.nranks; ++r) sum += counter(r, phase).load(std::memory_order_relaxed);
+  return sum;
+}
+
+bool ShmAllreduce::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (r != me_ && counter(r, phase).load(std::memory_order_relaxed) < step &&
+        control_[r].cpu.load(std::memory_order_relaxed) == cpu) {
+      return true;
     }
-    return true;
-  };
+  }
+  return false;
+}
+
+ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
+  return {waits_.load(std::memory_order_relaxed), sleeps_.load(std::memory_order_relaxed),
+          yields_.load(std::memory_order_relaxed), lost_yields_.load(std::memory_order_relaxed)};
+}
+
+// The stages of a wait:
+// 1. With more local ranks than CPUs, the rank waited for is most likely queued behind this one,
+//    and sched_yield hands it the CPU: poll with it for up to kYieldFor. A yield that returns
+//    after kLostYield with no peer any further gave the CPU to a process outside the job for a
+//    whole time slice (a busy machine): then yield no more for kFirstYieldBan, doubling up to
+//    kLastYieldBan while it keeps happening.
+// 2. Otherwise spin with a pause instruction for up to kSpinFor while the ranks waited for may be
+//    running on other CPUs; stop at once when one of them last published from this CPU, where
+//    it cannot be running now (this thread is). Spinning keeps the CPU: a sleeper woken under
+//    load may wait a time slice for it.
+// 3. Sleep on the futex until a peer publishes; every kPoll, check whether a peer has exited,
+//    and give up at the timeout.
+bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  while (Clock::now() - start < kPollFor) {
-    if (ready()) return;
+  while (Clock::now() - start < kYieldFor) {
+    const uint64_t before = peers_progress(phase);
+    const auto asked = Clock::now();
     sched_yield();
+    yields_.fetch_add(1, std::memory_order_relaxed);
+    if (peers_at(phase, step)) return true;
+    const auto back = Clock::now();
+    if (back - asked < kLostYield || peers_progress(phase) != before) {
+      yield_ban_ = kFirstYieldBan;
+      continue;
+    }
+    lost_yields_.fetch_add(1, std::memory_order_relaxed);
+    yields_banned_until_ = back + yield_ban_;
+    yield_ban_ = std::min<std::chrono::milliseconds>(2 * yield_ban_, kLastYieldBan);
+    return false;
+  }
+  return false;
+}
+
+bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const int cpu = sched_getcpu();
+  do {
+    for (int i = 0; i < 32; ++i) {
+      if (peers_at(phase, step)) return true;
+      cpu_relax();
+    }
+  } while (!awaited_on_cpu(phase, step, cpu) && Clock::now() - start < kSpinFor);
+  return false;
+}
+
+void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what) {
+  if (peers_at(phase, step)) return;
+  waits_.fetch_add(1, std::memory_order_relaxed);
+  auto ready = [&] { return peers_at(phase, step); };
+  auto behind = [&](int r) { return counter(r, phase).load(std::memory_order_seq_cst) < step; };
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  if (oversubscribed_ && start >= yields_banned_until_) {
+    if (yield_while_cheap(phase, step)) return;
+  } else if (spin_while_running(phase, step)) {
+    return;
   }
   const auto deadline = start + timeout_;
   const uint64_t my_ns = control_[me_].pid_ns;
   while (true) {
     check_not_aborted();
-    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t epoch = header_->wake_epoch.load(std::memory_order_seq_cst);
-    if (ready()) {
-      header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      return;
+    // Sleep on the first rank still behind; the others are looked at once it has arrived.
+    int awaited = 0;
+    while (awaited == me_ || !behind(awaited)) {
+      if (++awaited == layout_.nranks) return;
     }
-    const auto now = Clock::now();
-    futex_wait(&header_->wake_epoch, epoch, std::min<std::chrono::nanoseconds>(kPoll, deadline - now));
-    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    RankControl& peer = control_[awaited];
+    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t epoch = peer.wake.load(std::memory_order_seq_cst);
+    if (behind(awaited) && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
+      futex_wait(&peer.wake, epoch, std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
+    }
+    peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) return;
+    if (!behind(awaited)) continue;
 
     std::vector<int> late;
     for (int r = 0; r < layout_.nranks; ++r) {

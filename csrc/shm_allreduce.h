@@ -101,6 +101,15 @@ class ShmAllreduce {
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   void reject(const std::string& reason, const std::string& what);
 
+  // What this rank's waits for its peers have done so far (see wait_all in the .cpp).
+  struct WaitStats {
+    uint64_t waits;        // synchronisations at which some peer was not there yet
+    uint64_t sleeps;       // futex sleeps
+    uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
+    uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
+  };
+  WaitStats wait_stats() const;
+
   int local_size() const { return layout_.nranks; }
   size_t block_bytes() const { return layout_.block_bytes; }
 
@@ -113,6 +122,12 @@ class ShmAllreduce {
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
   void publish(Phase phase, uint64_t step);
+  std::atomic<uint64_t>& counter(int rank, Phase phase) const;
+  bool peers_at(Phase phase, uint64_t step) const;
+  uint64_t peers_progress(Phase phase) const;
+  bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
+  bool yield_while_cheap(Phase phase, uint64_t step);
+  bool spin_while_running(Phase phase, uint64_t step);
   void wait_all(Phase phase, uint64_t step, const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
@@ -143,6 +158,10 @@ class ShmAllreduce {
   std::string failure_;
   std::shared_ptr<CrossNode> cross_node_;
   std::vector<char> node_sums_;  // this rank's slices summed within the node, across nodes
+  bool oversubscribed_;          // more local ranks than CPUs this process may run on
+  std::chrono::steady_clock::time_point yields_banned_until_{};
+  std::chrono::milliseconds yield_ban_;
+  std::atomic<uint64_t> waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
 };
 
 }  // namespace ddpx

@@ -1,0 +1,121 @@
+"""How ranks wait for each other, on an idle machine and on a busy one (a CPU-bound process
+outside the job on every core): what each wait did, from the engine's own counts and the kernel's
+count of the thread's context switches, never from timings."""
+
+import ctypes
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+CPUS = len(os.sched_getaffinity(0))
+# A sleeper checks its peers every 100 ms (csrc/shm_allreduce.cpp, kPoll), and a yield that gave
+# the CPU away bans yielding for at least 100 ms (kFirstYieldBan).
+POLL_S = BAN_S = 0.1
+# (elements, calls): one-shot single-block calls, and 25 MB two-phase calls of 100 blocks.
+CALLS = [(16 * 1024, 300), (25 * 1024 * 1024 // 4, 4)]
+
+
+def _die_with_parent():
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@pytest.fixture
+def busy_machine():
+    """One CPU-bound process pinned to each core for the test, gone after it."""
+    hogs = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})"
+                              "\nwhile True: pass"], preexec_fn=_die_with_parent)
+            for cpu in sorted(os.sched_getaffinity(0))]
+    time.sleep(0.2)
+    assert all(hog.poll() is None for hog in hogs)
+    try:
+        yield len(hogs)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def waits_of_calls(rank, world):
+    """Reduces CALLS; returns what this rank's waits did and whether every sum was exact."""
+    import ddpx
+    from ddpx.engine import engine_for
+
+    engine = engine_for()
+    ddpx.all_reduce(torch.ones(8))
+    before, usage = engine.wait_stats, resource.getrusage(resource.RUSAGE_THREAD)
+    start, exact = time.monotonic(), True
+    for numel, calls in CALLS:
+        # Small integers: the float32 sum is exact, so it must equal the reference.
+        x = torch.arange(numel, dtype=torch.float32).remainder_(97).add_(rank)
+        expected = x * world - rank * world + sum(range(world))
+        for _ in range(calls):
+            y = x.clone()
+            ddpx.all_reduce(y)
+            exact = exact and torch.equal(y, expected)
+    elapsed = time.monotonic() - start
+    after, usage_after = engine.wait_stats, resource.getrusage(resource.RUSAGE_THREAD)
+    stats = {key: after[key] - before[key] for key in after}
+    stats["voluntary_switches"] = usage_after.ru_nvcsw - usage.ru_nvcsw
+    return stats, elapsed, exact
+
+
+def check_bounded(stats: dict, elapsed: float, world: int) -> None:
+    # A wait sleeps on each rank it waits for at most once (that rank's publish wakes it), and
+    # once more per 100 ms it lasts.
+    assert stats["sleeps"] <= (world - 1) * (stats["waits"] + elapsed / POLL_S), stats
+    # The thread gives up its CPU only in those sleeps (sched_yield does not count here).
+    assert stats["voluntary_switches"] <= stats["sleeps"] + 20, stats
+
+
+@pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs for 2 ranks without oversubscription")
+def test_busy_machine_no_yields_and_a_bounded_sleep_per_wait(busy_machine):
+    for stats, elapsed, exact in run_ranks(waits_of_calls, 2, timeout=180):
+        assert exact
+        # With a CPU for each rank, a wait never hands its CPU to the scheduler's next task
+        # (under load that is a process outside the job, for a whole time slice).
+        assert stats["yields"] == 0, stats
+        check_bounded(stats, elapsed, 2)
+        assert stats["waits"] > 0, "the load did not make any rank wait: the test shows nothing"
+
+
+@pytest.mark.skipif(CPUS > 2, reason="oversubscribes 2 CPUs with 4 ranks")
+def test_oversubscribed_busy_machine_stops_yielding(busy_machine):
+    for stats, elapsed, exact in run_ranks(waits_of_calls, 4, timeout=300):
+        assert exact
+        # A yield that gave the CPU away bans yielding for 100 ms and more: at most one per ban.
+        assert stats["lost_yields"] <= 1 + elapsed / BAN_S, (stats, elapsed)
+        check_bounded(stats, elapsed, 4)
+
+
+@pytest.mark.skipif(CPUS > 2, reason="oversubscribes 2 CPUs with 4 ranks")
+def test_oversubscribed_idle_machine_hands_the_cpu_to_peers():
+    results = run_ranks(waits_of_calls, 4, timeout=180)
+    assert all(exact for _, _, exact in results)
+    # With more ranks than CPUs the awaited rank is most likely queued on this CPU: yield to it.
+    assert sum(stats["yields"] for stats, _, _ in results) > 0
+    for stats, elapsed, _ in results:
+        check_bounded(stats, elapsed, 4)
+
+
+def stats_and_path(rank, world):
+    from ddpx.engine import engine_for
+
+    engine = engine_for()
+    return engine.wait_stats, engine.describe()
+
+
+def test_wait_stats_only_on_the_shared_memory_engine():
+    # Blocks larger than /dev/shm make every rank fall back to the process group.
+    huge_blocks = {"DDPX_BLOCK_KB": str(1 << 30)}
+    for wait_stats, described in run_ranks(stats_and_path, 2, env=huge_blocks):
+        assert "process-group path" in described
+        assert wait_stats is None
