@@ -28,7 +28,9 @@ constexpr size_t kPage = 4096;
 // 5 ms), and spinning without looking at where the awaited rank runs costs 2x under that load.
 constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while peers may run
 constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
-constexpr auto kLostYield = std::chrono::microseconds(200);  // a yield this long went elsewhere
+// A peer's share of one step takes well under this; a process outside the job, given the CPU by
+// a yield, keeps it for a time slice (a scheduler tick, 4 ms at HZ=250).
+constexpr auto kLostYield = std::chrono::microseconds(1000);
 constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
@@ -259,12 +261,6 @@ bool ShmAllreduce::peers_at(Phase phase, uint64_t step) const {
   return true;
 }
 
-uint64_t ShmAllreduce::peers_progress(Phase phase) const {
-  uint64_t sum = 0;
-  for (int r = 0; r < layout_.nranks; ++r) sum += counter(r, phase).load(std::memory_order_relaxed);
-  return sum;
-}
-
 bool ShmAllreduce::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
   for (int r = 0; r < layout_.nranks; ++r) {
     if (r != me_ && counter(r, phase).load(std::memory_order_relaxed) < step &&
@@ -283,9 +279,9 @@ ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
 // The stages of a wait:
 // 1. With more local ranks than CPUs, the rank waited for is most likely queued behind this one,
 //    and sched_yield hands it the CPU: poll with it for up to kYieldFor. A yield that returns
-//    after kLostYield with no peer any further gave the CPU to a process outside the job for a
-//    whole time slice (a busy machine): then yield no more for kFirstYieldBan, doubling up to
-//    kLastYieldBan while it keeps happening.
+//    after kLostYield gave the CPU to a process outside the job for a whole time slice (a busy
+//    machine): then yield no more for kFirstYieldBan, doubling up to kLastYieldBan while it
+//    keeps happening.
 // 2. Otherwise spin with a pause instruction for up to kSpinFor while the ranks waited for may be
 //    running on other CPUs; stop at once when one of them last published from this CPU, where
 //    it cannot be running now (this thread is). Spinning keeps the CPU: a sleeper woken under
@@ -296,13 +292,12 @@ bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   while (Clock::now() - start < kYieldFor) {
-    const uint64_t before = peers_progress(phase);
     const auto asked = Clock::now();
     sched_yield();
     yields_.fetch_add(1, std::memory_order_relaxed);
     if (peers_at(phase, step)) return true;
     const auto back = Clock::now();
-    if (back - asked < kLostYield || peers_progress(phase) != before) {
+    if (back - asked < kLostYield) {
       yield_ban_ = kFirstYieldBan;
       continue;
     }

@@ -124,7 +124,6 @@ class ShmAllreduce {
   void publish(Phase phase, uint64_t step);
   std::atomic<uint64_t>& counter(int rank, Phase phase) const;
   bool peers_at(Phase phase, uint64_t step) const;
-  uint64_t peers_progress(Phase phase) const;
   bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
   bool yield_while_cheap(Phase phase, uint64_t step);
   bool spin_while_running(Phase phase, uint64_t step);
