@@ -1,9 +1,12 @@
-"""Benchmark ddpx against gloo on one machine: the all-reduce alone, a DDP training step, accuracy.
+"""Benchmark ddpx against gloo and the other CPU all-reduces on one machine: the all-reduce alone,
+a DDP training step, accuracy.
 
 Run everything: the script spawns the ranks of each of --world_sizes (default 2,4) itself, gloo
 over a FileStore in a temporary folder, one thread per rank, and they end with it (on an error,
 Ctrl-C, or even SIGKILL). The table goes to stdout, progress to stderr. On 2 cores, about 1.5
-minutes for allreduce and 2.5 for train; accuracy (default world sizes 4,8) takes about a minute:
+minutes for allreduce (more with the peers) and 2.5 for train; accuracy (default world sizes 4,8)
+takes about a minute. The peers that allreduce compares with, OpenMPI (through mpi4py) and
+DeepSpeed, are optional: `pip install -e ".[peers]"`.
 
     python scripts/bench.py allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
     python scripts/bench.py train --json bench_out/train.json --plot bench_out/train.png
@@ -13,6 +16,8 @@ Smaller runs:
 
     python scripts/bench.py allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
     python scripts/bench.py allreduce --world_sizes 4 --nodes 2    # as if on two machines
+    python scripts/bench.py allreduce --sizes 4K,1M --engines gloo,ddpx,mpi,deepspeed,copy
+    python scripts/bench.py train --world_sizes 2 --params 2M --steps 5 --load 1  # on a busy machine
     python scripts/bench.py train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
 
 Under a launcher, the launcher's processes are the ranks and only its world size runs:
@@ -20,13 +25,33 @@ Under a launcher, the launcher's processes are the ranks and only its world size
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/bench.py allreduce
     torchrun --nproc_per_node 4 scripts/bench.py allreduce
 
+--load N (every mode; default 0, idle) measures on a busy machine: N CPU-bound processes per core
+(the cores this process may run on) run for the whole run, each pinned to its core and
+busy-looping in plain Python, as `taskset -c C python3 -c "while True: pass"` would. They start
+before the ranks of the first world size and stop after the last, by the process that starts the
+ranks (under a launcher: the rank with LOCAL_RANK 0 of each machine, with barriers, so that every
+rank runs under the load), and they die with it, even by SIGKILL. The table's header says the
+load ("load: 1 CPU-bound process per core (2 in all)"), the JSON's settings hold `load` and
+`load_pids`:
+
+    python scripts/bench.py allreduce --world_sizes 2 --sizes 1M --load 1
+
 allreduce: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
 1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
-(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), and
-`copy`, which is not an all-reduce: every rank at once copies its tensor into a buffer of the same
-size, the least memory traffic (read the tensor, write a result) any in-place all-reduce needs, a
-floor to read the others against (it is timed, not checked). Engines that do not work here are
-left out with a note. In each cell (world size, size):
+(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
+`mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
+`deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
+inference_all_reduce, called directly; its first use compiles it, about a minute, into
+TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, before any timing), and `copy`, which is
+not an all-reduce: every rank at once copies its tensor into a buffer of the same size, the least
+memory traffic (read the tensor, write a result) any in-place all-reduce needs, a floor to read
+the others against (it is timed, not checked). Engines that do not work here are left out with a
+note (the peers when not installed; `deepspeed` with --nodes, as its op spans one node only,
+while `gloo` and `mpi` reduce the simulated nodes as one machine).
+MPI needs ranks that mpirun starts: when `mpi` runs, bench.py starts each world size with
+`mpirun --oversubscribe --bind-to none -np W python bench.py <the same arguments>` instead of
+torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
+out). In each cell (world size, size):
   - each engine reduces random inputs once and is compared with a float64 sum; a wrong sum stops
     the run with exit status 1;
   - then it reduces a zero-filled tensor (repeated in-place sums of zeros stay finite) in batches
@@ -34,12 +59,13 @@ left out with a note. In each cell (world size, size):
     per call in the batch;
   - every engine gets --iters samples, the batches sized so they last --min_time seconds together,
     and the engines take turns sample by sample so that they share the machine's conditions.
-Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9, and
-x vs gloo = gloo's median / the engine's median (bigger is faster). With --nodes N the spawned
-ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces hierarchically
-as on N machines, and the table adds the bytes ddpx's engines sent across nodes per call, summed
-over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for an
-all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
+Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9,
+x vs gloo = gloo's median / the engine's median (bigger is faster), and x vs best peer = the
+fastest peer's median (of gloo, mpi and deepspeed, those that ran) / the engine's. With --nodes N
+the spawned ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces
+hierarchically as on N machines, and the table adds the bytes ddpx's engines sent across nodes per
+call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for
+an all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
 
 train: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
@@ -66,17 +92,22 @@ error, makes the run exit with status 1 after the table.
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import datetime
 import functools
 import gc
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
 import platform
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,11 +120,16 @@ import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy")
+ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy")
+# The other projects' CPU all-reduces, which "x vs best peer" reads every engine against.
+PEERS = ("gloo", "mpi", "deepspeed")
+PEERS_INSTALL = 'pip install -e ".[peers]"'
 COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 WIRE = {
     "gloo": None,
+    "mpi": None,
+    "deepspeed": None,
     "copy": None,
     "ddpx": None,
     "ddpx-fp16": "fp16",
@@ -113,6 +149,11 @@ TIMING = {
     "allreduce": "a sample: the slowest rank's mean time per call in a batch begun after a barrier",
     "train": "a sample: the slowest rank's time for one step begun after a barrier",
 }
+# Set by bench.py for the ranks it starts with mpirun: their temporary folder (the FileStore's).
+MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
+# Set by bench.py for the ranks it starts, once it has built DeepSpeed's op: "" when it built, else
+# why not (so that no rank builds it again).
+DEEPSPEED_BUILT = "DDPX_BENCH_DEEPSPEED_BUILT"
 ERRORS = (
     "max and mean |result - float64 reference| (the largest over the ranks), reference = sum of "
     "the float64 inputs / world size; vs torch: ddpx-<wire>'s error / torch-<wire>'s"
@@ -121,7 +162,7 @@ ERRORS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.set_defaults(nodes=1)
+    parser.set_defaults(nodes=1, load_pids=[])
     modes = parser.add_subparsers(dest="mode", required=True)
     common = _common_options([2, 4])
     allreduce = modes.add_parser("allreduce", parents=[common], help="time the all-reduce alone")
@@ -208,6 +249,13 @@ def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
     common.add_argument("--json", type=Path, help="write the results and the machine to this file")
     common.add_argument("--plot", type=Path, help="draw the results into this PNG")
     common.add_argument("--seed", type=int, default=0)
+    common.add_argument(
+        "--load",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="run N CPU-bound processes per core for the whole run (default 0: idle)",
+    )
     return common
 
 
@@ -228,6 +276,13 @@ def _size_list(text: str) -> list[int]:
 
 def _count(text: str) -> int:
     return _suffixed(text, 1000)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a count, 0 or more")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -252,9 +307,16 @@ def main() -> None:
         sys.exit(f"bench.py: --nodes {args.nodes} does not divide world size {uneven[0]} evenly")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        result = _launched(args) if "WORLD_SIZE" in os.environ else _spawned(args)
+        if MPI_WORKDIR in os.environ:
+            result = _mpirun_rank(args)
+        elif "WORLD_SIZE" in os.environ:
+            result = _launched(args)
+        else:
+            result = _spawned(args)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         sys.exit(f"bench.py: rank {exc.error_index} failed:{exc}")
+    except subprocess.CalledProcessError as exc:
+        sys.exit(f"bench.py: {exc.cmd} failed with status {exc.returncode} (errors above)")
     except KeyboardInterrupt:
         sys.exit("bench.py: interrupted")
     if result is None:
@@ -270,12 +332,20 @@ def main() -> None:
 
 
 def _spawned(args) -> dict:
-    """Run each world size in freshly spawned ranks; merge what their rank 0 wrote."""
+    """Run each world size in freshly started ranks, under the load; merge what their rank 0 wrote.
+
+    The ranks are started by mpirun when the `mpi` engine runs (MPI joins only ranks it started),
+    else by torch.multiprocessing.
+    """
+    start = _mpirun if _runs_mpi(args) else _spawn
+    _prebuild_deepspeed_op(args)
     results = []
-    for world_size in args.world_sizes:
-        with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
-            _spawn(world_size, args, workdir)
-            results.append(json.loads(Path(workdir, "result.json").read_text()))
+    with _cpu_load(args.load) as load_pids:
+        args.load_pids = load_pids  # for the JSON's settings
+        for world_size in args.world_sizes:
+            with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
+                start(world_size, args, workdir)
+                results.append(json.loads(Path(workdir, "result.json").read_text()))
     return {
         "rows": [row for result in results for row in result["rows"]],
         "left_out": {name: why for result in results for name, why in result["left_out"].items()},
@@ -305,6 +375,56 @@ def _spawn(world_size: int, args, workdir: str) -> None:
             Path(traceback_file).unlink(missing_ok=True)
 
 
+def _mpirun(world_size: int, args, workdir: str) -> None:
+    """Start `world_size` ranks of this same command with mpirun; they find `workdir` in their
+    environment. Raise CalledProcessError if mpirun fails (a rank failed: it said why)."""
+    command = [_mpirun_path(), "--allow-run-as-root", "--oversubscribe"]
+    # Unbound, as the spawned ranks are: a bound rank's gloo and ddpx threads would share its core.
+    command += ["--bind-to", "none", "-np", str(world_size)]
+    command += [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+    # Its own session keeps Ctrl-C ours to handle; it dies with bench.py (its ranks die with it);
+    # what the ranks print is progress, so it goes to stderr: stdout is for the table.
+    mpirun = subprocess.Popen(
+        command,
+        env={**os.environ, MPI_WORKDIR: workdir},
+        stdin=subprocess.DEVNULL,
+        stdout=sys.stderr,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    try:
+        status = mpirun.wait()
+    finally:
+        if mpirun.poll() is None:
+            mpirun.terminate()  # mpirun passes it on to the ranks
+            try:
+                mpirun.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                mpirun.kill()
+                mpirun.wait()
+    if status:
+        raise subprocess.CalledProcessError(status, f"mpirun of {world_size} ranks")
+
+
+def _runs_mpi(args) -> bool:
+    return args.mode == "allreduce" and "mpi" in args.engines and not _why_no_mpi()
+
+
+def _why_no_mpi() -> str:
+    """Why the `mpi` engine cannot run here, or "" if it can."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return f"mpi4py is not installed ({PEERS_INSTALL})"
+    if _mpirun_path() is None:
+        return f"no mpirun found ({PEERS_INSTALL} installs OpenMPI's)"
+    return ""
+
+
+def _mpirun_path() -> str | None:
+    # This Python's own bin first: a virtual environment's is on PATH only when activated.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return shutil.which("mpirun", path=path)
+
+
 def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
     _die_with_parent()
     os.environ["GROUP_RANK"] = str(rank // (world_size // args.nodes))
@@ -315,6 +435,12 @@ def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
     result = _run_rank(args)
     if rank == 0:
         Path(workdir, "result.json").write_text(json.dumps(result))
+
+
+def _mpirun_rank(args) -> None:
+    """Run as one of the ranks that _mpirun started: MPI numbers them; the rest is as spawned."""
+    rank, world_size = (int(os.environ[f"OMPI_COMM_WORLD_{key}"]) for key in ("RANK", "SIZE"))
+    _spawned_rank(rank, world_size, args, os.environ[MPI_WORKDIR])
 
 
 def _die_with_parent() -> None:
@@ -328,9 +454,15 @@ def _die_with_parent() -> None:
 
 def _launched(args) -> dict | None:
     """Run as one rank of a launcher's job (torchrun, accelerate launch): its world size only."""
-    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
-    world_size = dist.get_world_size()
-    result = _run_rank(args)
+    # One load per machine, started before this rank joins the group: no rank of the machine gets
+    # past the barrier below before it runs.
+    starts_load = os.environ.get("LOCAL_RANK", "0") == "0"
+    with _cpu_load(args.load if starts_load else 0) as load_pids:
+        args.load_pids = load_pids  # for the JSON's settings
+        dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+        dist.barrier()
+        world_size = dist.get_world_size()
+        result = _run_rank(args)  # ends with a barrier: every rank is done before the load stops
     if int(os.environ["RANK"]) != 0:
         return None
     if args.world_sizes != [world_size]:
@@ -338,11 +470,44 @@ def _launched(args) -> dict | None:
     return result
 
 
+@contextlib.contextmanager
+def _cpu_load(per_core: int):
+    """Run `per_core` CPU-bound processes on each core this process may use, each pinned to its
+    core and busy-looping in plain Python, for the `with` block; yield their pids. They are killed
+    at its end however it ends, and by Linux if this process dies first (even by SIGKILL)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+    else:
+        cores = list(range(os.cpu_count() or 1))
+    processes = []
+    try:
+        for core in cores:
+            for _ in range(per_core):
+                # Their own session: a Ctrl-C is for bench.py, which stops them.
+                process = subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+                processes.append(process)
+                if hasattr(os, "sched_setaffinity"):
+                    os.sched_setaffinity(process.pid, {core})
+        yield [process.pid for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait()
+
+
 def _run_rank(args) -> dict:
     torch.set_num_threads(THREADS_PER_RANK)
     try:
         modes = {"allreduce": bench_allreduce, "train": bench_train, "accuracy": bench_accuracy}
-        return modes[args.mode](args)
+        result = modes[args.mode](args)
+        dist.barrier()  # the load, if any, stops after the last rank is done
+        return result
     finally:
         # Free the DDP models (reference cycles) first, so that destroying the group really ends
         # it and joins gloo's threads. A group still alive at interpreter exit can abort there:
@@ -351,9 +516,13 @@ def _run_rank(args) -> dict:
         dist.destroy_process_group()
 
 
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def _progress(message: str) -> None:
     if dist.get_rank() == 0:
-        print(f"[bench] {message}", file=sys.stderr, flush=True)
+        _say(message)
 
 
 def _import_ddpx():
@@ -372,9 +541,9 @@ def _import_ddpx():
 
 def bench_allreduce(args) -> dict:
     left_out = {}
-    engines = _allreduce_engines(args.engines, left_out)
-    world_size, rows, started = dist.get_world_size(), [], time.perf_counter()
     nodes = _node_count()
+    engines = _allreduce_engines(args.engines, left_out, nodes)
+    world_size, rows, started = dist.get_world_size(), [], time.perf_counter()
     for index, size in enumerate(args.sizes):
         cell = f"world {world_size}, {format_size(size)} (cell {index + 1}/{len(args.sizes)})"
         _progress(
@@ -404,15 +573,22 @@ def _bytes_across_nodes() -> int | None:
     return int(total.item())
 
 
-def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
+def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict:
     """The requested engines that work here, by name; why the others do not goes in `left_out`."""
     ddpx, why_not = _import_ddpx()
+    peers = {"mpi": _mpi_engine, "deepspeed": functools.partial(_deepspeed_engine, nodes)}
     engines = {}
     for name in requested:
         if name == "gloo":
             engines[name] = dist.all_reduce
         elif name == "copy":
             engines[name] = _CopyFloor()
+        elif name in peers:
+            engine, why_peer_not = peers[name]()
+            if engine is None:
+                left_out[name] = why_peer_not
+            else:
+                _add_if_it_works(engines, name, engine, left_out)
         elif ddpx is None:
             left_out[name] = why_not
         else:
@@ -420,6 +596,116 @@ def _allreduce_engines(requested: list[str], left_out: dict) -> dict:
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
             )
     return engines
+
+
+def _mpi_engine():
+    """The `mpi` engine: OpenMPI's in-place sum through mpi4py; or None and why it cannot run."""
+    if MPI_WORKDIR not in os.environ:
+        why_not = _why_no_mpi() or "needs ranks started by bench.py's mpirun, not a launcher's"
+        return None, why_not
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if (world.Get_rank(), world.Get_size()) != (dist.get_rank(), dist.get_world_size()):
+        raise RuntimeError("internal: MPI's ranks are not torch.distributed's")
+
+    def mpi(tensor: torch.Tensor) -> None:
+        world.Allreduce(MPI.IN_PLACE, tensor.numpy(), op=MPI.SUM)  # a view: the tensor's memory
+
+    return mpi, ""
+
+
+def _deepspeed_engine(nodes: int):
+    """The `deepspeed` engine: DeepSpeed's CPU shared-memory all-reduce, the op that
+    deepspeed.comm calls for inference_all_reduce, called directly; or None and why it cannot run.
+    """
+    if nodes > 1:
+        return None, f"DeepSpeed's shared-memory all-reduce spans one node, not {nodes}"
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    # One rank per machine loads it first: the first load builds it, the others find it built.
+    loads_first = os.environ.get("LOCAL_RANK", str(rank)) == "0"
+    if loads_first:
+        # Under a launcher no parent has built it before.
+        op, why_not = _deepspeed_op() if DEEPSPEED_BUILT in os.environ else _build_deepspeed_op()
+    dist.barrier()
+    if not loads_first:
+        op, why_not = _deepspeed_op()
+    if op is not None and op.vector_kernel_level() < 1:
+        why_not = "DeepSpeed's float32 shared-memory kernels need AVX2"
+    # A rank that initialises waits for every other rank's segment: all of them, or none.
+    reasons = [""] * world_size
+    dist.all_gather_object(reasons, why_not)
+    why_not = next((why for why in reasons if why), "")
+    if why_not:
+        return None, why_not
+    # The op names its segments after MASTER_ADDR and MASTER_PORT: a name of this run's own.
+    run = [f"ddpx-bench-{os.getpid()}"]
+    dist.broadcast_object_list(run, src=0)
+    with _environment(LOCAL_SIZE=str(world_size), MASTER_ADDR=run[0], MASTER_PORT="0"):
+        op.initialize(world_size, rank)  # creates this rank's segment, maps every rank's
+    dist.barrier()
+    # Every rank has mapped every segment: unlink them now, so that no run leaves any behind.
+    for segment in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{run[0]}_0_{rank}"):
+        segment.unlink()
+    return torch.ops.deepspeed.inference_all_reduce_, ""
+
+
+@functools.cache
+def _deepspeed_op():
+    """DeepSpeed's CPU shared-memory all-reduce op module (its first load builds it, about a
+    minute, into TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); or None and why not."""
+    if os.environ.get(DEEPSPEED_BUILT):
+        return None, os.environ[DEEPSPEED_BUILT]
+    if importlib.util.find_spec("deepspeed") is None:
+        return None, f"deepspeed is not installed ({PEERS_INSTALL})"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else it looks for GPUs first, and warns
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is None:
+            return None, "this DeepSpeed has no ShareMemCommBuilder for the CPU"
+        return builder.load(verbose=False), ""
+    # A build fails in many ways: no compiler or ninja, a compile error, an unsupported CPU.
+    except Exception as exc:
+        return None, f"DeepSpeed's shared-memory op does not build: {str(exc).splitlines()[0]}"
+
+
+def _build_deepspeed_op():
+    """_deepspeed_op(), saying on stderr that it may build the op, and how long it took."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return _deepspeed_op()
+    _say(
+        "loading DeepSpeed's shared-memory all-reduce op; its first load builds it (about a "
+        "minute) into TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions)"
+    )
+    started = time.perf_counter()
+    op, why_not = _deepspeed_op()
+    outcome = "loaded" if op else f"left out ({why_not})"
+    _say(f"DeepSpeed's op {outcome} after {time.perf_counter() - started:.0f} s")
+    return op, why_not
+
+
+def _prebuild_deepspeed_op(args) -> None:
+    """Build DeepSpeed's op here, once, before any rank starts: the ranks load what it built."""
+    if args.mode == "allreduce" and "deepspeed" in args.engines and args.nodes == 1:
+        _, why_not = _build_deepspeed_op()
+        os.environ[DEEPSPEED_BUILT] = why_not  # for the ranks this process starts
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Set these environment variables for the `with` block only."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 class _CopyFloor:
@@ -480,8 +766,12 @@ def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[d
             }
         )
     gloo = next((row["median_ms"] for row in rows if row["engine"] == "gloo"), None)
+    peers = {row["engine"]: row["median_ms"] for row in rows if row["engine"] in PEERS}
+    best_peer = min(peers, key=peers.get, default=None)
     for row in rows:
         row["x_vs_gloo"] = gloo / row["median_ms"] if gloo else None
+        row["best_peer"] = best_peer
+        row["x_vs_best_peer"] = peers[best_peer] / row["median_ms"] if best_peer else None
     return rows
 
 
@@ -499,7 +789,7 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
             errors[name] = {"max_abs_error": None, "tolerance": None, "inter_node_bytes": None}
             continue
         result = mine.clone()
-        sent = _bytes_across_nodes() if count_bytes and name != "gloo" else None
+        sent = _bytes_across_nodes() if count_bytes and name.startswith("ddpx") else None
         engine(result)
         if sent is not None:
             sent = _bytes_across_nodes() - sent
@@ -801,7 +1091,15 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ddpx": ddpx.build_info() if ddpx else {"unavailable": why_not},
+        "peers": {name: _version(name) for name in ("openmpi", "mpi4py", "deepspeed")},
     }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:
@@ -823,6 +1121,7 @@ def format_report(document: dict) -> str:
         f"timing: {document['timing']}; median and p10-p90 over the samples"
         if "timing" in document
         else f"errors: {document['errors']}",
+        _load_line(document["settings"]),
     ]
     left_out = {}
     for name, why in document["left_out"].items():
@@ -836,19 +1135,32 @@ def format_report(document: dict) -> str:
     return "\n".join(lines)
 
 
+def _load_line(settings: dict) -> str:
+    per_core, processes = settings.get("load", 0), len(settings.get("load_pids", []))
+    if not per_core:
+        return "load: none (idle)"
+    plural = "process" if per_core == 1 else "processes"
+    return f"load: {per_core} CPU-bound {plural} per core ({processes} in all)"
+
+
 def _allreduce_table(rows: list[dict]) -> list[str]:
     inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
     header = (
         f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
-        f"{'GB/s':>7}  {'x vs gloo':>9}" + (f"  {'inter-node MB/call':>18}" if inter_node else "")
+        f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
+        + (f"  {'inter-node MB/call':>18}" if inter_node else "")
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
             f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
             f"{row['median_ms']:>10.3f}  {_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
-            f"{_ratio(row['x_vs_gloo']):>9}" + (f"  {_megabytes(row):>18}" if inter_node else "")
+            f"{_ratio(row['x_vs_gloo']):>9}  {_ratio(row.get('x_vs_best_peer')):>14}"
+            + (f"  {_megabytes(row):>18}" if inter_node else "")
         )
+    peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
+    if peers:
+        lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
     nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
     if nodes:
         split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())
@@ -933,7 +1245,8 @@ def plot_allreduce(rows: list[dict], path: Path) -> None:
             ]
             x = [row["size_bytes"] for row in cells]
             style = "--" if engine == "copy" else "-"
-            ax.plot(x, [row["median_ms"] for row in cells], style, marker="o", label=engine)
+            marker = "s" if engine in PEERS else "o"  # the peers squares, ddpx's engines dots
+            ax.plot(x, [row["median_ms"] for row in cells], style, marker=marker, label=engine)
             low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
             ax.fill_between(x, low, high, alpha=0.2)
         nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)

@@ -1,12 +1,16 @@
 """Smoke test of scripts/bench.py: every mode end to end on 2 spawned ranks (accuracy: 2 and 3),
-tiny sizes.
+tiny sizes; the peers (mpi, deepspeed) where installed; the --load processes, which end with it.
 
 It checks what the benchmark reports and writes, never how fast anything is.
 """
 
+import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,55 @@ BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "rows", "left_out"}
 MACHINE_KEYS = {"cpu", "cores", "threads_per_rank", "torch", "ddpx"}
+
+
+def missing_peers() -> list[str]:
+    """What the mpi and deepspeed engines need that is not installed here."""
+    bin_and_path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    missing = [name for name in ("mpi4py", "deepspeed") if importlib.util.find_spec(name) is None]
+    return missing + ([] if shutil.which("mpirun", path=bin_and_path) else ["mpirun"])
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def still_alive(pids: list[int], seconds: float = 5.0) -> list[int]:
+    """Those of `pids` still alive after up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def mentioning(text: str) -> list[int]:
+    """The processes whose command line contains `text`."""
+    pids = [int(path.name) for path in Path("/proc").glob("[0-9]*")]
+    return [pid for pid in pids if alive(pid) and text in " ".join(command_line(pid))]
+
+
+def command_line(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def ddpx_built() -> bool:
@@ -70,12 +123,80 @@ def test_allreduce(tmp_path):
         check_times(row)
         assert row["gb_per_s"] == pytest.approx(size / row["median_ms"] / 1e6)
         assert row["x_vs_gloo"] == pytest.approx(rows[size, "gloo"]["median_ms"] / row["median_ms"])
+        assert row["best_peer"] == "gloo"  # the only peer here
+        assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
         if row["engine"] == "copy":  # the floor is timed, not checked
             assert row["max_abs_error"] is row["tolerance"] is None
         else:
             assert 0 <= row["max_abs_error"] <= row["tolerance"]
-    assert "x vs gloo" in stdout
+    assert "x vs gloo" in stdout and "x vs best peer" in stdout
+    assert "load: none (idle)" in stdout
+    assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
+
+
+@pytest.mark.skipif(bool(missing_peers()), reason=f"needs {', '.join(missing_peers())}: "
+                    'pip install -e ".[peers]"')
+def test_allreduce_beside_the_peers_mpi_and_deepspeed(tmp_path):
+    engines, sizes = ["gloo", "ddpx", "mpi", "deepspeed"], [4096, 256 * 1024]
+    options = "--sizes 4K,256K --iters 2 --min_time 0.05 --warmup 1".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))
+
+    measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))
+    check_measured(engines, measured, document["left_out"])
+    assert {"gloo", "mpi", "deepspeed"} <= set(measured)
+    rows = {(row["size_bytes"], row["engine"]): row for row in document["rows"]}
+    for size in sizes:
+        peers = {name: rows[size, name]["median_ms"] for name in ("gloo", "mpi", "deepspeed")}
+        best = min(peers, key=peers.get)
+        for engine in measured:
+            row = rows[size, engine]
+            check_times(row)
+            assert 0 <= row["max_abs_error"] <= row["tolerance"]
+            assert row["best_peer"] == best
+            assert row["x_vs_best_peer"] == pytest.approx(peers[best] / row["median_ms"])
+    assert "x vs best peer" in stdout and "the fastest of gloo, mpi, deepspeed" in stdout
+    # mpirun and its ranks carry the run's arguments, which name tmp_path: none is left.
+    assert mentioning(str(tmp_path)) == []
+    assert not list(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_ddpx-bench-*"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pins and reaps the Linux way")
+def test_load_runs_one_process_per_core_and_ends_with_the_run(tmp_path):
+    options = "--sizes 4K --iters 2 --min_time 0.05 --warmup 1 --engines gloo --load 1".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options)
+
+    cores = len(os.sched_getaffinity(0))
+    pids = document["settings"]["load_pids"]
+    assert document["settings"]["load"] == 1 and len(pids) == len(set(pids)) == cores
+    assert still_alive(pids, seconds=0) == []  # bench.py stopped them before it exited
+    assert f"load: 1 CPU-bound process per core ({cores} in all)" in stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_load_and_ranks_die_with_a_killed_bench(tmp_path):
+    command = [sys.executable, str(BENCH), "allreduce", "--world_sizes", "2", "--sizes", "4K",
+               "--engines", "gloo", "--iters", "50", "--min_time", "60", "--load", "1"]
+    # A killed bench.py cannot remove its temporary folder: have it made in tmp_path.
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        for line in bench.stderr:  # the ranks time under the load: mid-run
+            if "timing" in line:
+                break
+        started = children(bench.pid)
+        load = [pid for pid in started if command_line(pid)[1:] == ["-c", "while True: pass"]]
+        pinned = [os.sched_getaffinity(pid) for pid in load]
+        assert all(len(cores) == 1 for cores in pinned)
+        assert sorted(core for cores in pinned for core in cores) == sorted(os.sched_getaffinity(0))
+        assert len(started) > len(load)  # the ranks
+        bench.kill()
+        bench.wait()
+        assert still_alive(started) == []
+    finally:
+        bench.kill()
+        bench.wait()
+        bench.stderr.close()
 
 
 @pytest.mark.skipif(not ddpx_built(), reason="needs ddpx's extension")
