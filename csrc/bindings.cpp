@@ -94,6 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (!shm) return std::nullopt;
         const ShmAllreduce::WaitStats w = shm->wait_stats();
         py::dict stats;
+        stats["waited_ns"] = w.waited_ns;
         stats["waits"] = w.waits;
         stats["sleeps"] = w.sleeps;
         stats["yields"] = w.yields;

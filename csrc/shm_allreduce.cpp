@@ -272,8 +272,9 @@ bool ShmAllreduce::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
 }
 
 ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
-  return {waits_.load(std::memory_order_relaxed), sleeps_.load(std::memory_order_relaxed),
-          yields_.load(std::memory_order_relaxed), lost_yields_.load(std::memory_order_relaxed)};
+  return {waited_ns_.load(std::memory_order_relaxed), waits_.load(std::memory_order_relaxed),
+          sleeps_.load(std::memory_order_relaxed), yields_.load(std::memory_order_relaxed),
+          lost_yields_.load(std::memory_order_relaxed)};
 }
 
 // The stages of a wait:
@@ -325,6 +326,15 @@ bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step) {
 void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what) {
   if (peers_at(phase, step)) return;
   waits_.fetch_add(1, std::memory_order_relaxed);
+  // Counts the wait's time however it ends: ready, or an error.
+  struct Timed {
+    std::chrono::steady_clock::time_point start;
+    std::atomic<uint64_t>& total_ns;
+    ~Timed() {
+      const auto ns = std::chrono::nanoseconds(std::chrono::steady_clock::now() - start).count();
+      total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
+    }
+  } timed{std::chrono::steady_clock::now(), waited_ns_};
   auto ready = [&] { return peers_at(phase, step); };
   auto behind = [&](int r) { return counter(r, phase).load(std::memory_order_seq_cst) < step; };
   using Clock = std::chrono::steady_clock;

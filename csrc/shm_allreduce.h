@@ -103,6 +103,7 @@ class ShmAllreduce {
 
   // What this rank's waits for its peers have done so far (see wait_all in the .cpp).
   struct WaitStats {
+    uint64_t waited_ns;    // time spent in waits, spinning, yielding or asleep
     uint64_t waits;        // synchronisations at which some peer was not there yet
     uint64_t sleeps;       // futex sleeps
     uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
@@ -160,7 +161,7 @@ class ShmAllreduce {
   bool oversubscribed_;          // more local ranks than CPUs this process may run on
   std::chrono::steady_clock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;
-  std::atomic<uint64_t> waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
+  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
 };
 
 }  // namespace ddpx

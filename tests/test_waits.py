@@ -72,6 +72,9 @@ def check_bounded(stats: dict, elapsed: float, world: int) -> None:
     # A wait sleeps on each rank it waits for at most once (that rank's publish wakes it), and
     # once more per 100 ms it lasts.
     assert stats["sleeps"] <= (world - 1) * (stats["waits"] + elapsed / POLL_S), stats
+    # Waiting is part of the calls' time, and there is some whenever a wait happened.
+    assert (stats["waits"] > 0) == (stats["waited_ns"] > 0), stats
+    assert stats["waited_ns"] <= elapsed * 1e9, (stats, elapsed)
     # The thread gives up its CPU only in those sleeps (sched_yield does not count here).
     assert stats["voluntary_switches"] <= stats["sleeps"] + 20, stats
 
