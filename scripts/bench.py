@@ -17,7 +17,7 @@ Smaller runs:
     python scripts/bench.py allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
     python scripts/bench.py allreduce --world_sizes 4 --nodes 2    # as if on two machines
     python scripts/bench.py allreduce --sizes 4K,1M --engines gloo,ddpx,mpi,deepspeed,copy
-    python scripts/bench.py train --world_sizes 2 --params 2M --steps 5 --load 1  # on a busy machine
+    python scripts/bench.py train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     python scripts/bench.py train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
 
 Under a launcher, the launcher's processes are the ranks and only its world size runs:
@@ -70,7 +70,9 @@ an all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its
 train: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
 all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
-NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook). The
+NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook), and
+`none`, which is not a way to train: a hook that communicates nothing (each rank keeps its own
+gradients), the step's floor that any hook's time is read against (it is timed, not checked). The
 models start from the same seed, see the same data and take turns step by step; a sample is one
 step on the slowest rank, started right after a barrier. Reported: median and p10-p90 step time in
 ms, x vs default, and max |diff| of each model's final parameters from the default model's with its
@@ -124,7 +126,7 @@ ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy")
 # The other projects' CPU all-reduces, which "x vs best peer" reads every engine against.
 PEERS = ("gloo", "mpi", "deepspeed")
 PEERS_INSTALL = 'pip install -e ".[peers]"'
-COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
+COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "none")
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 WIRE = {
     "gloo": None,
@@ -135,6 +137,7 @@ WIRE = {
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
     "default": None,
+    "none": None,
     "fp16": "fp16",
     "bf16": "bf16",
     "torch-fp16": "fp16",
@@ -898,11 +901,21 @@ def _register_hook(name: str, model: DDP, ddpx) -> str:
     """Register the comm hook `name` on `model`; say what it does."""
     if name == "default":
         return "DDP's built-in all-reduce"
+    if name == "none":
+        model.register_comm_hook(None, _no_communication_hook)
+        return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
     hook = getattr(default_hooks, f"{name}_compress_hook")
     model.register_comm_hook(dist.group.WORLD, hook)
     return f"torch {hook.__name__}"
+
+
+def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hands DDP the bucket as it is: each rank steps with its own gradients."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
@@ -920,7 +933,8 @@ def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tenso
 
 
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
-    diffs = _diffs_from_default(initial, models)
+    checked = {name: entry for name, entry in models.items() if name != "none"}
+    diffs = _diffs_from_default(initial, checked)
     rows = []
     for name, (model, describe) in models.items():
         row = {
@@ -931,9 +945,12 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
             "batch_size": args.batch_size,
             "steps": args.warmup + args.steps,
             **_slowest_rank_stats(samples[name]),
-            "ranks_identical": _same_on_all_ranks(model.module.parameters()),
-            **diffs.get(name, {}),
         }
+        rows.append(row)
+        if name not in checked:
+            continue
+        row["ranks_identical"] = _same_on_all_ranks(model.module.parameters())
+        row.update(diffs.get(name, {}))
         if not row["ranks_identical"]:
             failures.append(f"{name}: parameters differ across ranks")
         if diffs and not row["max_abs_diff"] <= row["tolerance"]:
@@ -941,7 +958,6 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
                 f"{name}: parameters {row['max_abs_diff']:.3g} from default's, "
                 f"tolerance {row['tolerance']:.3g}"
             )
-        rows.append(row)
     default_ms = next((row["median_ms"] for row in rows if row["hook"] == "default"), None)
     for row in rows:
         row["x_vs_default"] = default_ms / row["median_ms"] if default_ms else None

@@ -225,17 +225,20 @@ def test_nodes_must_divide_the_world_size(tmp_path):
 
 
 def test_train(tmp_path):
-    hooks = ["default", "fp16", "ddpx", "ddpx-bf16"]
+    hooks = ["default", "fp16", "ddpx", "ddpx-bf16", "none"]
     options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
     document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(hooks))
 
     rows = {row["hook"]: row for row in document["rows"]}
     check_measured(hooks, list(rows), document["left_out"])
-    assert {"default", "fp16"} <= set(rows)
+    assert {"default", "fp16", "none"} <= set(rows)
     for row in rows.values():
         assert row["world_size"] == 2
         check_times(row)
         assert row["x_vs_default"] == pytest.approx(rows["default"]["median_ms"] / row["median_ms"])
+        if row["hook"] == "none":  # the floor: timed, not checked
+            assert "ranks_identical" not in row and "max_abs_diff" not in row
+            continue
         assert row["ranks_identical"]
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
