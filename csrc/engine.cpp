@@ -134,6 +134,11 @@ std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).fir
 
 std::string invalid_input(const at::Tensor& tensor, const Request& request,
                           c10::DeviceType device) {
+  // The common case, valid and uncompressed, returns before a message is built.
+  if (tensor.defined() && tensor.device().type() == device && tensor.is_contiguous() &&
+      to_dtype(tensor.scalar_type()) && (!request.wire || *request.wire == tensor.scalar_type())) {
+    return {};
+  }
   const bool cpu = device == c10::DeviceType::CPU;
   std::ostringstream why;
   if (!tensor.defined()) {
