@@ -20,7 +20,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3178706464ULL;  // "ddpx1"
+constexpr uint64_t kMagic = 0x3278706464ULL;  // "ddpx2": per-rank futex words
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
 // measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
@@ -219,11 +219,10 @@ std::string ShmAllreduce::rank_name(int local) const {
 }
 
 void ShmAllreduce::publish(Phase phase, uint64_t step) {
-  auto& counter = phase == Phase::Arrive ? control_[me_].arrived : control_[me_].reduced;
-  control_[me_].cpu.store(sched_getcpu(), std::memory_order_relaxed);
-  counter.store(step, std::memory_order_seq_cst);
-  // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
   RankControl& mine = control_[me_];
+  mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);
+  counter(me_, phase).store(step, std::memory_order_seq_cst);
+  // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
   if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
     mine.wake.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&mine.wake);
