@@ -253,17 +253,20 @@ std::atomic<uint64_t>& ShmAllreduce::counter(int rank, Phase phase) const {
   return phase == Phase::Arrive ? control_[rank].arrived : control_[rank].reduced;
 }
 
+bool ShmAllreduce::behind(int rank, Phase phase, uint64_t step) const {
+  return rank != me_ && counter(rank, phase).load(std::memory_order_seq_cst) < step;
+}
+
 bool ShmAllreduce::peers_at(Phase phase, uint64_t step) const {
   for (int r = 0; r < layout_.nranks; ++r) {
-    if (r != me_ && counter(r, phase).load(std::memory_order_seq_cst) < step) return false;
+    if (behind(r, phase, step)) return false;
   }
   return true;
 }
 
 bool ShmAllreduce::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
   for (int r = 0; r < layout_.nranks; ++r) {
-    if (r != me_ && counter(r, phase).load(std::memory_order_relaxed) < step &&
-        control_[r].cpu.load(std::memory_order_relaxed) == cpu) {
+    if (behind(r, phase, step) && control_[r].cpu.load(std::memory_order_relaxed) == cpu) {
       return true;
     }
   }
@@ -288,59 +291,51 @@ ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
 //    load may wait a time slice for it.
 // 3. Sleep on the futex until a peer publishes; every kPoll, check whether a peer has exited,
 //    and give up at the timeout.
-bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step) {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  while (Clock::now() - start < kYieldFor) {
-    const auto asked = Clock::now();
+bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start) {
+  for (auto asked = start; asked - start < kYieldFor;) {
     sched_yield();
     yields_.fetch_add(1, std::memory_order_relaxed);
     if (peers_at(phase, step)) return true;
-    const auto back = Clock::now();
-    if (back - asked < kLostYield) {
-      yield_ban_ = kFirstYieldBan;
-      continue;
+    const auto back = WaitClock::now();
+    if (back - asked >= kLostYield) {
+      lost_yields_.fetch_add(1, std::memory_order_relaxed);
+      yields_banned_until_ = back + yield_ban_;
+      yield_ban_ = std::min<std::chrono::milliseconds>(2 * yield_ban_, kLastYieldBan);
+      return false;
     }
-    lost_yields_.fetch_add(1, std::memory_order_relaxed);
-    yields_banned_until_ = back + yield_ban_;
-    yield_ban_ = std::min<std::chrono::milliseconds>(2 * yield_ban_, kLastYieldBan);
-    return false;
+    yield_ban_ = kFirstYieldBan;
+    asked = back;
   }
   return false;
 }
 
-bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step) {
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
+bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start) {
   const int cpu = sched_getcpu();
   do {
     for (int i = 0; i < 32; ++i) {
       if (peers_at(phase, step)) return true;
       cpu_relax();
     }
-  } while (!awaited_on_cpu(phase, step, cpu) && Clock::now() - start < kSpinFor);
+  } while (!awaited_on_cpu(phase, step, cpu) && WaitClock::now() - start < kSpinFor);
   return false;
 }
 
 void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what) {
   if (peers_at(phase, step)) return;
   waits_.fetch_add(1, std::memory_order_relaxed);
+  const auto start = WaitClock::now();
   // Counts the wait's time however it ends: ready, or an error.
   struct Timed {
-    std::chrono::steady_clock::time_point start;
+    WaitClock::time_point start;
     std::atomic<uint64_t>& total_ns;
     ~Timed() {
-      const auto ns = std::chrono::nanoseconds(std::chrono::steady_clock::now() - start).count();
+      const auto ns = std::chrono::nanoseconds(WaitClock::now() - start).count();
       total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
     }
-  } timed{std::chrono::steady_clock::now(), waited_ns_};
-  auto ready = [&] { return peers_at(phase, step); };
-  auto behind = [&](int r) { return counter(r, phase).load(std::memory_order_seq_cst) < step; };
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
+  } timed{start, waited_ns_};
   if (oversubscribed_ && start >= yields_banned_until_) {
-    if (yield_while_cheap(phase, step)) return;
-  } else if (spin_while_running(phase, step)) {
+    if (yield_while_cheap(phase, step, start)) return;
+  } else if (spin_while_running(phase, step, start)) {
     return;
   }
   const auto deadline = start + timeout_;
@@ -349,23 +344,24 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
     check_not_aborted();
     // Sleep on the first rank still behind; the others are looked at once it has arrived.
     int awaited = 0;
-    while (awaited == me_ || !behind(awaited)) {
+    while (!behind(awaited, phase, step)) {
       if (++awaited == layout_.nranks) return;
     }
     RankControl& peer = control_[awaited];
     peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t epoch = peer.wake.load(std::memory_order_seq_cst);
-    if (behind(awaited) && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
+    if (behind(awaited, phase, step) && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
       sleeps_.fetch_add(1, std::memory_order_relaxed);
-      futex_wait(&peer.wake, epoch, std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
+      futex_wait(&peer.wake, epoch,
+                 std::min<std::chrono::nanoseconds>(kPoll, deadline - WaitClock::now()));
     }
     peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (ready()) return;
-    if (!behind(awaited)) continue;
+    if (peers_at(phase, step)) return;
+    if (!behind(awaited, phase, step)) continue;
 
     std::vector<int> late;
     for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && behind(r)) late.push_back(r);
+      if (behind(r, phase, step)) late.push_back(r);
     }
     const char* doing = phase == Phase::Arrive ? "send its block of" : "reduce its slice of";
     for (int r : late) {
@@ -376,7 +372,7 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
              std::to_string(step) + ")");
       }
     }
-    if (Clock::now() >= deadline) {
+    if (WaitClock::now() >= deadline) {
       std::ostringstream names;
       for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
       const auto secs = std::chrono::duration<double>(timeout_).count();

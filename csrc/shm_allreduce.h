@@ -123,11 +123,14 @@ class ShmAllreduce {
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
   void publish(Phase phase, uint64_t step);
+  using WaitClock = std::chrono::steady_clock;
   std::atomic<uint64_t>& counter(int rank, Phase phase) const;
+  bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
   bool peers_at(Phase phase, uint64_t step) const;
   bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
-  bool yield_while_cheap(Phase phase, uint64_t step);
-  bool spin_while_running(Phase phase, uint64_t step);
+  // The first two stages of wait_all, from the wait's start; true when the peers are there.
+  bool yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start);
+  bool spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start);
   void wait_all(Phase phase, uint64_t step, const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
@@ -159,7 +162,7 @@ class ShmAllreduce {
   std::shared_ptr<CrossNode> cross_node_;
   std::vector<char> node_sums_;  // this rank's slices summed within the node, across nodes
   bool oversubscribed_;          // more local ranks than CPUs this process may run on
-  std::chrono::steady_clock::time_point yields_banned_until_{};
+  WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;
   std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
 };
