@@ -2,19 +2,18 @@
 outside the job on every core): what each wait did, from the engine's own counts and the kernel's
 count of the thread's context switches, never from timings."""
 
-import ctypes
+import importlib.util
 import os
 import resource
-import signal
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_ranks
 
+BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 CPUS = len(os.sched_getaffinity(0))
 # A sleeper checks its peers every 100 ms (csrc/shm_allreduce.cpp, kPoll), and a yield that gave
 # the CPU away bans yielding for at least 100 ms (kFirstYieldBan).
@@ -23,25 +22,30 @@ POLL_S = BAN_S = 0.1
 CALLS = [(16 * 1024, 300), (25 * 1024 * 1024 // 4, 4)]
 
 
-def _die_with_parent():
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+def _bench_module():
+    """scripts/bench.py as a module: its CPU load is the one these tests run under."""
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.fixture
 def busy_machine():
     """One CPU-bound process pinned to each core for the test, gone after it."""
-    hogs = [subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})"
-                              "\nwhile True: pass"], preexec_fn=_die_with_parent)
-            for cpu in sorted(os.sched_getaffinity(0))]
-    time.sleep(0.2)
-    assert all(hog.poll() is None for hog in hogs)
-    try:
-        yield len(hogs)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
+    with _bench_module()._cpu_load(1) as pids:
+        time.sleep(0.2)
+        assert all(_running(pid) for pid in pids)
+        yield len(pids)
+    assert not any(_running(pid) for pid in pids)
 
 
 def waits_of_calls(rank, world):
