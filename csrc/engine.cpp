@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <future>
 #include <sstream>
 #include <stdexcept>
 
@@ -43,32 +44,63 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
 #endif
 }
 
-// The node-to-node step of the hierarchical all-reduce, for one rank's slice. Uncompressed, the
-// slice is all-reduced as it is. Compressed, it crosses in the wire dtype both ways and is still
-// summed in float32: an all-to-all deals each node one piece of every node's slice, each rank sums
-// its piece over the nodes in node order and rounds the sum once, and an all-gather hands the
-// pieces back. Every rank holding the slice ends with the same bits, and the bytes on the network
-// are those of the wire dtype.
+// The node-to-node step of the hierarchical all-reduce, for one chunk of one rank's slices.
+// Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
+// ways and is still summed in float32: an all-to-all deals each node one piece of every node's
+// chunk, each rank sums its piece over the nodes in node order and rounds the sum once, and an
+// all-gather hands the pieces back. Every rank holding the chunk ends with the same bits, and the
+// bytes on the network are those of the wire dtype.
+//
+// Chunks go round-robin to lanes, each a thread with its own process group (its own
+// connections), so one chunk's casts and sums overlap another's transfers and the link never
+// waits for the CPU. Every rank of a lane's group sees the same chunks in the same order.
 class AcrossNodes final : public CrossNode {
  public:
-  explicit AcrossNodes(c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : group_(std::move(group)), nodes_(group_->getSize()) {
+  AcrossNodes(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
+              std::chrono::milliseconds timeout)
+      : nodes_(groups.at(0)->getSize()), node_(groups[0]->getRank()), timeout_(timeout) {
     if (nodes_ > kMaxSources) {
       throw std::invalid_argument("ddpx: the hierarchical all-reduce sums at most " +
                                   std::to_string(kMaxSources) + " nodes, this job has " +
                                   std::to_string(nodes_));
     }
+    for (auto& group : groups) {
+      auto lane = std::make_shared<Lane>();
+      lane->group = std::move(group);
+      lane->timeout = timeout;
+      lane->bytes_sent = bytes_sent_;
+      lane->thread = std::thread(lane_loop, lane);
+      lanes_.push_back(std::move(lane));
+    }
+  }
+
+  ~AcrossNodes() override {
+    for (auto& lane : lanes_) {
+      {
+        std::lock_guard<std::mutex> lock(lane->mu);
+        lane->stopping = true;
+      }
+      lane->cv.notify_all();
+      // A lane still inside a transfer that a failure abandoned ends at its timeout; the
+      // process need not wait for that. The lane owns all it touches, the chunk's data too.
+      if (lane->busy) {
+        lane->thread.detach();
+      } else {
+        lane->thread.join();
+      }
+    }
   }
 
   int nodes() const override { return nodes_; }
-  int node() const override { return group_->getRank(); }
-  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
+  int node() const override { return node_; }
+  int lanes() const override { return int(lanes_.size()); }
+  uint64_t bytes_sent() const { return bytes_sent_->load(std::memory_order_relaxed); }
 
   void start_gather(const std::vector<int64_t>& mine) override {
     const int64_t n = int64_t(mine.size());
     words_in_ = at::tensor(at::IntArrayRef(mine), at::kLong);
     words_out_ = at::empty({n * nodes_}, at::kLong);
-    gathering_ = all_gather(*group_, words_out_, words_in_);
+    gathering_ = all_gather(*lanes_[0]->group, words_out_, words_in_, timeout_);
   }
 
   std::vector<int64_t> finish_gather() override {
@@ -78,51 +110,119 @@ class AcrossNodes final : public CrossNode {
     return std::vector<int64_t>(words, words + words_out_.numel());
   }
 
-  void reduce(void* data, DType acc, DType wire, int64_t n) override {
-    const int64_t nodes = nodes_;
-    if (wire == acc) {
-      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
-      std::vector<at::Tensor> slice{at::from_blob(data, {n}, at::TensorOptions().dtype(dtype))};
-      group_->allreduce(slice)->wait();
-      count(2 * (nodes - 1) * n * int64_t(dtype_size(acc)) / nodes);
-      return;
+  void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) override {
+    Chunk chunk{std::move(data), acc, wire, n, std::make_shared<std::promise<void>>()};
+    pending_.push_back(chunk.done->get_future());
+    Lane& lane = *lanes_[next_lane_];
+    next_lane_ = (next_lane_ + 1) % lanes_.size();
+    {
+      std::lock_guard<std::mutex> lock(lane.mu);
+      lane.chunks.push_back(std::move(chunk));
     }
-    const Kernels& k = kernels();
-    const int64_t wire_size = int64_t(dtype_size(wire));
-    const int64_t piece = (n + nodes - 1) / nodes;
-    const int64_t bytes = nodes * piece * wire_size;
-    at::Tensor dealt = buffer(dealt_, bytes);
-    at::Tensor received = buffer(received_, bytes);
-    at::Tensor mine = buffer(mine_, piece * wire_size);
-    char* out = static_cast<char*>(dealt.data_ptr());
-    k.pack(out, wire, data, acc, n, 1.0, Store::Cached);
-    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
-    all_to_all(*group_, received, dealt)->wait();
-    const void* pieces[kMaxSources];
-    for (int64_t i = 0; i < nodes; ++i) {
-      pieces[i] = static_cast<const char*>(received.data_ptr()) + i * piece * wire_size;
-    }
-    k.reduce(mine.data_ptr(), wire, pieces, int(nodes), wire, piece, Store::Cached);
-    all_gather(*group_, dealt, mine)->wait();
-    k.pack(data, acc, out, wire, n, 1.0, Store::Cached);
-    count(2 * (nodes - 1) * piece * wire_size);
+    lane.cv.notify_all();
+  }
+
+  void finish_reduce() override {
+    std::future<void> done = std::move(pending_.front());
+    pending_.pop_front();
+    done.get();
   }
 
  private:
-  // The first `bytes` of `storage`, which grows to the largest call and is then reused.
+  struct Chunk {
+    std::shared_ptr<void> data;
+    DType acc, wire;
+    int64_t n;
+    std::shared_ptr<std::promise<void>> done;
+  };
+  struct Lane {
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    std::chrono::milliseconds timeout;
+    std::shared_ptr<std::atomic<uint64_t>> bytes_sent;
+    at::Tensor dealt, received, mine;  // compressed chunks' buffers, grown to the largest
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Chunk> chunks;
+    bool stopping = false;
+    std::atomic<bool> busy{false};
+    std::string broken;  // why an earlier chunk failed: the lane's group is out of step since
+  };
+
+  static void lane_loop(std::shared_ptr<Lane> lane) {
+    while (true) {
+      Chunk chunk;
+      {
+        std::unique_lock<std::mutex> lock(lane->mu);
+        lane->cv.wait(lock, [&] { return lane->stopping || !lane->chunks.empty(); });
+        if (lane->stopping) return;
+        chunk = std::move(lane->chunks.front());
+        lane->chunks.pop_front();
+        lane->busy = true;
+      }
+      try {
+        if (!lane->broken.empty()) throw std::runtime_error(lane->broken);
+        reduce(*lane, chunk);
+        chunk.done->set_value();
+      } catch (const std::exception& e) {
+        lane->broken = std::string("an earlier transfer failed: ") + e.what();
+        chunk.done->set_exception(std::current_exception());
+      }
+      lane->busy = false;
+    }
+  }
+
+  // The first `bytes` of `storage`, which grows to the largest chunk and is then reused.
   static at::Tensor buffer(at::Tensor& storage, int64_t bytes) {
     if (!storage.defined() || storage.numel() < bytes) storage = at::empty({bytes}, at::kByte);
     return storage.narrow(0, 0, bytes);
   }
 
-  void count(int64_t bytes) { bytes_sent_.fetch_add(uint64_t(bytes), std::memory_order_relaxed); }
+  static void reduce(Lane& lane, const Chunk& c) {
+    c10d::ProcessGroup& group = *lane.group;
+    const int64_t nodes = group.getSize(), n = c.n;
+    const auto count = [&](int64_t bytes) {
+      lane.bytes_sent->fetch_add(uint64_t(bytes), std::memory_order_relaxed);
+    };
+    const Kernels& k = kernels();
+    const int64_t wire_size = int64_t(dtype_size(c.wire));
+    if (c.wire == c.acc) {
+      const auto dtype = c.acc == DType::Float64 ? at::kDouble : at::kFloat;
+      std::vector<at::Tensor> chunk{
+          at::from_blob(c.data.get(), {n}, at::TensorOptions().dtype(dtype))};
+      c10d::AllreduceOptions opts;
+      opts.timeout = lane.timeout;
+      group.allreduce(chunk, opts)->wait();
+      count(2 * (nodes - 1) * n * wire_size / nodes);
+      return;
+    }
+    const int64_t piece = (n + nodes - 1) / nodes;
+    const int64_t bytes = nodes * piece * wire_size;
+    at::Tensor dealt = buffer(lane.dealt, bytes);
+    at::Tensor received = buffer(lane.received, bytes);
+    at::Tensor mine = buffer(lane.mine, piece * wire_size);
+    char* out = static_cast<char*>(dealt.data_ptr());
+    k.pack(out, c.wire, c.data.get(), c.acc, n, 1.0, Store::Cached);
+    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
+    all_to_all(group, received, dealt, lane.timeout)->wait();
+    const void* pieces[kMaxSources];
+    for (int64_t i = 0; i < nodes; ++i) {
+      pieces[i] = static_cast<const char*>(received.data_ptr()) + i * piece * wire_size;
+    }
+    k.reduce(mine.data_ptr(), c.wire, pieces, int(nodes), c.wire, piece, Store::Cached);
+    all_gather(group, dealt, mine, lane.timeout)->wait();
+    k.pack(c.data.get(), c.acc, out, c.wire, n, 1.0, Store::Cached);
+    count(2 * (nodes - 1) * piece * wire_size);
+  }
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  int nodes_;
-  at::Tensor dealt_, received_, mine_;
+  int nodes_, node_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::shared_ptr<Lane>> lanes_;
+  size_t next_lane_ = 0;
+  std::deque<std::future<void>> pending_;  // started chunks, oldest first
   at::Tensor words_in_, words_out_;
   c10::intrusive_ptr<c10d::Work> gathering_;
-  std::atomic<uint64_t> bytes_sent_{0};
+  std::shared_ptr<std::atomic<uint64_t>> bytes_sent_ = std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 namespace {
@@ -192,11 +292,12 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
 }
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
-                     c10::intrusive_ptr<c10d::ProcessGroup> across_nodes)
+                     std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes,
+                     std::chrono::milliseconds timeout, size_t chunk_bytes)
     : queue_(std::make_shared<Queue>()) {
-  if (across_nodes) {
-    across_nodes_ = std::make_shared<AcrossNodes>(std::move(across_nodes));
-    shm->set_cross_node(across_nodes_);
+  if (!across_nodes.empty()) {
+    across_nodes_ = std::make_shared<AcrossNodes>(std::move(across_nodes), timeout);
+    shm->set_cross_node(across_nodes_, chunk_bytes);
   }
   queue_->shm = std::move(shm);
 }

@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "shm_allreduce.h"
 
@@ -62,11 +63,13 @@ class Engine {
 
 class ShmEngine final : public Engine {
  public:
-  // With across_nodes (the ranks of this local index on every node), each rank's slice is
-  // summed across nodes through that process group between the node's two phases, in the wire
-  // dtype when compressed.
+  // With across_nodes (process groups of the ranks of this local index on every node, one per
+  // lane), each rank's slices are summed across nodes between the node's two phases, in chunks
+  // of about chunk_bytes of the message, in the wire dtype when compressed; every transfer
+  // fails after `timeout`.
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
-                     c10::intrusive_ptr<c10d::ProcessGroup> across_nodes = {});
+                     std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes = {},
+                     std::chrono::milliseconds timeout = {}, size_t chunk_bytes = 0);
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;

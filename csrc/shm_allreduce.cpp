@@ -461,6 +461,12 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
   }
 }
 
+void ShmAllreduce::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes) {
+  if (chunk_bytes == 0) throw std::invalid_argument("ddpx: the cross-node chunk must have bytes");
+  cross_node_ = std::move(cross_node);
+  chunk_bytes_ = chunk_bytes;
+}
+
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
   if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
   check_not_aborted();
@@ -566,43 +572,68 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     return;
   }
 
-  // Across nodes, this rank's slices of every block are summed within the node into one buffer,
-  // which then crosses nodes in a single call, however many blocks the message has: a network
-  // round trip per block would cost far more than the extra pass over the slices. A block's
-  // output slot is written only after every peer published its previous block's slice, and they
-  // do that after reading the slot's last contents.
-  int64_t total = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const auto [lo, hi] = my_slice(block_count(b));
-    total += hi - lo;
+  // Across nodes, this rank's slices of the blocks are summed within the node into node_sums_,
+  // which crosses nodes in chunks of whole blocks: a network round trip per block would cost far
+  // more than the extra pass over the slices. Chunks are started as soon as they are summed and
+  // all-gathered once back, a few in flight, so the link carries one chunk while the node sums
+  // the next and hands out the last. A block's output slot is written only after every peer
+  // published its previous step, and they do that after reading the slot's last contents.
+  const int64_t full_slice = [&] {
+    const auto [lo, hi] = my_slice(std::min(per_block, numel));
+    return hi - lo;
+  }();
+  // Where block b's slice starts in node_sums_, in elements; every block but the last is full.
+  auto slice_offset = [&](int64_t b) {
+    if (b < blocks) return b * full_slice;
+    const auto [lo, hi] = my_slice(block_count(blocks - 1));
+    return (blocks - 1) * full_slice + (hi - lo);
+  };
+  const int64_t total = slice_offset(blocks);
+  if (!node_sums_ || node_sums_->size() < size_t(total) * acc_size) {
+    node_sums_ = std::make_shared<std::vector<char>>(size_t(total) * acc_size);
   }
-  if (node_sums_.size() < size_t(total) * acc_size) node_sums_.resize(size_t(total) * acc_size);
-  int64_t offset = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint64_t step = arrive(b);
-    const auto [lo, hi] = my_slice(block_count(b));
-    sum_my_slice(step, lo, hi, node_sums_.data() + size_t(offset) * acc_size);
-    offset += hi - lo;
-  }
-  // The check across nodes started with the first block and ran while the node summed the rest.
-  finish_node_check(mine, "", what);
-  if (total > 0) {
-    try {
-      cross_node_->reduce(node_sums_.data(), acc, wire, total);
-    } catch (const std::exception& e) {
-      fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what + " failed: " +
-           e.what());
+  char* sums = node_sums_->data();
+  const int64_t chunk_blocks =
+      std::max<int64_t>(1, int64_t(chunk_bytes_ / (size_t(per_block) * data_size)));
+  const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
+  const int64_t in_flight = cross_node_->lanes() + 4;
+  auto chunk_elements = [&](int64_t c) {
+    return slice_offset(std::min(blocks, (c + 1) * chunk_blocks)) - slice_offset(c * chunk_blocks);
+  };
+  auto gather_chunk = [&](int64_t c) {
+    if (chunk_elements(c) > 0) {
+      try {
+        cross_node_->finish_reduce();
+      } catch (const std::exception& e) {
+        fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what +
+             " failed: " + e.what());
+      }
     }
+    for (int64_t b = c * chunk_blocks; b < std::min(blocks, (c + 1) * chunk_blocks); ++b) {
+      const uint64_t step = ++step_;
+      const auto [lo, hi] = my_slice(block_count(b));
+      k.pack(output_slot(step) + size_t(lo) * acc_size, acc,
+             sums + size_t(slice_offset(b)) * acc_size, acc, hi - lo, 1.0, Store::Cached);
+      gather(step, b);
+    }
+  };
+  int64_t gathered = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t first = c * chunk_blocks;
+    for (int64_t b = first; b < std::min(blocks, first + chunk_blocks); ++b) {
+      const uint64_t step = arrive(b);
+      const auto [lo, hi] = my_slice(block_count(b));
+      sum_my_slice(step, lo, hi, sums + size_t(slice_offset(b)) * acc_size);
+    }
+    // The check across nodes started with the first block and ran while the node summed it.
+    if (c == 0) finish_node_check(mine, "", what);
+    if (chunk_elements(c) > 0) {
+      const std::shared_ptr<void> chunk(node_sums_, sums + size_t(slice_offset(first)) * acc_size);
+      cross_node_->start_reduce(chunk, acc, wire, chunk_elements(c));
+    }
+    if (c + 1 - gathered >= in_flight) gather_chunk(gathered++);
   }
-  offset = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint64_t step = ++step_;
-    const auto [lo, hi] = my_slice(block_count(b));
-    k.pack(output_slot(step) + size_t(lo) * acc_size, acc,
-           node_sums_.data() + size_t(offset) * acc_size, acc, hi - lo, 1.0, Store::Cached);
-    offset += hi - lo;
-    gather(step, b);
-  }
+  while (gathered < chunks) gather_chunk(gathered++);
 }
 
 }  // namespace ddpx

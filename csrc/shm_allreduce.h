@@ -72,9 +72,12 @@ class CrossNode {
   // returns every node's, in node order. Both throw on failure.
   virtual void start_gather(const std::vector<int64_t>& mine) = 0;
   virtual std::vector<int64_t> finish_gather() = 0;
-  // Sums n accumulation-dtype elements in place over the nodes, sending them in the wire dtype.
-  // Throws on failure.
-  virtual void reduce(void* data, DType acc, DType wire, int64_t n) = 0;
+  // Starts summing n accumulation-dtype elements in place over the nodes, sending them in the
+  // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
+  // oldest transfer still running and throws its failure. Up to lanes() run at once.
+  virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
+  virtual void finish_reduce() = 0;
+  virtual int lanes() const = 0;
 };
 
 class ShmAllreduce {
@@ -92,10 +95,12 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
-  // Makes the all-reduce hierarchical: intra-node reduce-scatter of every block, one cross-node
-  // all-reduce of this rank's slices of them, intra-node all-gather. Each call is also checked
-  // against the other nodes' before any data crosses.
-  void set_cross_node(std::shared_ptr<CrossNode> cross_node) { cross_node_ = std::move(cross_node); }
+  // Makes the all-reduce hierarchical: intra-node reduce-scatter of a block, a cross-node
+  // all-reduce of this rank's slice of it, intra-node all-gather. Slices cross in chunks of about
+  // chunk_bytes of the message, pipelined: while chunks cross, the node reduce-scatters the next
+  // and all-gathers the ones that are back. Each call is also checked against the other nodes'
+  // before any data crosses.
+  void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes);
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
@@ -160,7 +165,9 @@ class ShmAllreduce {
   uint64_t calls_ = 0;
   std::string failure_;
   std::shared_ptr<CrossNode> cross_node_;
-  std::vector<char> node_sums_;  // this rank's slices summed within the node, across nodes
+  size_t chunk_bytes_ = 0;
+  // This rank's slices summed within the node, then across nodes; shared with the transfers.
+  std::shared_ptr<std::vector<char>> node_sums_;
   bool oversubscribed_;          // more local ranks than CPUs this process may run on
   WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;

@@ -36,12 +36,21 @@ _SEGMENT_PREFIX = "ddpx-"
 # last-level cache; every rank summing whole blocks wins up to a few MiB, splitting them above.
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
 _ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "4096"))
+# Across nodes (README, "Across a network"): slices cross in chunks of this much of the message,
+# over this many process groups at once, so that the link is never idle while the node sums.
+_CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))
+_CROSS_LANES = int(os.environ.get("DDPX_CROSS_LANES", "2"))
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
 # alive (with its threads) by ddpx until interpreter exit.
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _generation: dict[str, int] = {}
+
+
+def cross_chunk_bytes() -> int:
+    """How much of a message crosses nodes per chunk of the hierarchical all-reduce."""
+    return _CROSS_CHUNK_KB * 1024
 
 
 def wire_dtype(compression: str | None) -> torch.dtype | None:
@@ -148,7 +157,8 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
         try:
             segment = _create_segment(name, size, block_bytes)
             engine = C.make_shm_engine(segment, size, block_bytes, 0, names, one_shot_bytes,
-                                       timeout.total_seconds(), True, across_nodes)
+                                       timeout.total_seconds(), True, across_nodes,
+                                       cross_chunk_bytes())
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put(f"segment/{node}", f"error {error}")
             C.ShmSegment.unlink(name)
@@ -166,7 +176,8 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
         try:
             segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, block_bytes))
             engine = C.make_shm_engine(segment, size, block_bytes, index, names, one_shot_bytes,
-                                       timeout.total_seconds(), False, across_nodes)
+                                       timeout.total_seconds(), False, across_nodes,
+                                       cross_chunk_bytes())
         except Exception as error:  # noqa: BLE001
             verdict = f"rank {ranks[me]} could not map the segment: {error}"
         meeting.put(f"attached/{node}/{index}", verdict)
@@ -182,20 +193,28 @@ def _node_identity() -> str:
     return f"{_host_identity()}#{os.environ.get('GROUP_RANK', '0')}"
 
 
-# global ranks (one per node, in node order) -> their process group. Weak: torch holds a group
-# until destroy_process_group, and a new one must be made after that.
+# (global ranks, one per node in node order; lane) -> their process group. Weak: torch holds a
+# group until destroy_process_group, and a new one must be made after that.
 _across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _across_nodes(ranks: list[int]):
-    """The process group of these global ranks, the same local index on every node. Only they
-    make it (so any group can span nodes), and engines that pair the same ranks share it."""
-    key = tuple(ranks)
-    group = _across_groups.get(key)
-    if group is None:
-        group = dist.new_group(list(key), use_local_synchronization=True)
-        _across_groups[key] = group
-    return group
+def _across_nodes(ranks: list[int]) -> list:
+    """The process groups (one per lane) of these global ranks, the same local index on every
+    node. Only they make them (so any group can span nodes), and engines that pair the same ranks
+    share them."""
+    if _CROSS_LANES < 1 or _CROSS_CHUNK_KB < 1:
+        raise ValueError(
+            f"ddpx: DDPX_CROSS_LANES={_CROSS_LANES} and DDPX_CROSS_CHUNK_KB={_CROSS_CHUNK_KB}: "
+            "both must be 1 or more (unset them for the defaults, 2 and 4096)")
+    groups = []
+    for lane in range(_CROSS_LANES):
+        key = (tuple(ranks), lane)
+        group = _across_groups.get(key)
+        if group is None:
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            _across_groups[key] = group
+        groups.append(group)
+    return groups
 
 
 def _create_engine(group, timeout: timedelta | None):
@@ -217,7 +236,7 @@ def _create_engine(group, timeout: timedelta | None):
             "with the same --nproc_per_node / --num_processes")
     ranks = dist.get_process_group_ranks(group)
     index = members[node].index(me)
-    across = _across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else None
+    across = _across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else []
     result = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
     # One node without shared memory makes every node fall back: the paths must match.
     meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
