@@ -154,6 +154,8 @@ TIMING = {
 }
 # Set by bench.py for the ranks it starts with mpirun: their temporary folder (the FileStore's).
 MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
+# Set by bench.py for the ranks it starts on its testbed (--link): where rank 0 writes its result.
+TESTBED_RESULT = "DDPX_BENCH_TESTBED_RESULT"
 # Set by bench.py for the ranks it starts, once it has built DeepSpeed's op: "" when it built, else
 # why not (so that no rank builds it again).
 DEEPSPEED_BUILT = "DDPX_BENCH_DEEPSPEED_BUILT"
@@ -165,7 +167,7 @@ ERRORS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.set_defaults(nodes=1, load_pids=[])
+    parser.set_defaults(nodes=None, link=[], load_pids=[])
     modes = parser.add_subparsers(dest="mode", required=True)
     common = _common_options([2, 4])
     allreduce = modes.add_parser("allreduce", parents=[common], help="time the all-reduce alone")
@@ -184,12 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     allreduce.add_argument(
         "--iters", type=int, default=20, help="timed samples per engine and cell"
     )
-    allreduce.add_argument(
-        "--nodes",
-        type=int,
-        default=1,
-        help="split each spawned world size into this many equal nodes (default 1)",
-    )
+    _node_options(allreduce)
     allreduce.add_argument(
         "--min_time",
         type=float,
@@ -217,6 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--steps", type=int, default=12, help="timed steps per hook")
     train.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
     train.add_argument("--lr", type=float, default=0.01)
+    _node_options(train)
 
     accuracy = modes.add_parser(
         "accuracy",
@@ -235,7 +233,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=_count("1M"),
         help="float32 elements per rank, with K/M suffixes (powers of 1000; default 1M)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.nodes is None:
+        args.nodes = 2 if args.link else 1
+    return args
+
+
+def _node_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="split each world size into this many equal nodes (default 1; 2 with --link)",
+    )
+    parser.add_argument(
+        "--link",
+        type=_rate_list,
+        default=[],
+        help="comma-separated link rates in tc's notation (1gbit,10gbit), or none (unshaped): run "
+        "each on --nodes network namespaces joined by a link of that rate (needs root)",
+    )
+
+
+def _rate_list(text: str) -> list[str]:
+    from ddpx import testbed
+
+    rates = text.split(",")
+    for rate in rates:
+        try:
+            if rate != "none":
+                testbed.bits_per_second(rate)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return rates
 
 
 def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
@@ -308,12 +338,17 @@ def main() -> None:
     uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]
     if uneven:
         sys.exit(f"bench.py: --nodes {args.nodes} does not divide world size {uneven[0]} evenly")
+    if args.link and args.load:
+        sys.exit("bench.py: --load with --link would load every node's cores, which are the same "
+                 "cores: leave one of them out")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if MPI_WORKDIR in os.environ:
             result = _mpirun_rank(args)
         elif "WORLD_SIZE" in os.environ:
             result = _launched(args)
+        elif args.link:
+            result = _on_testbed(args)
         else:
             result = _spawned(args)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
@@ -349,6 +384,79 @@ def _spawned(args) -> dict:
             with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
                 start(world_size, args, workdir)
                 results.append(json.loads(Path(workdir, "result.json").read_text()))
+    return _merged(results)
+
+
+def _on_testbed(args) -> dict:
+    """Run each world size under each --link rate on --nodes network namespaces (ddpx.testbed),
+    one torchrun per node running this same command; merge what their rank 0 wrote, each row with
+    its link: the rate, the TCP payload rate measured on it, and the engine's bound there."""
+    from ddpx import testbed
+
+    why_not = testbed.unavailable()
+    if why_not:
+        sys.exit(f"bench.py: --link needs network namespaces, and {why_not}")
+    results = []
+    for rate in args.link:
+        for world_size in args.world_sizes:
+            with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir, \
+                    testbed.Testbed(args.nodes, None if rate == "none" else rate) as bed:
+                tcp = bed.measure_tcp()
+                _say(f"{args.nodes} nodes, link {rate}: TCP carries {tcp / 1e9:.3f} Gbit/s")
+                result_path = Path(workdir, "result.json")
+                jobs = bed.torchrun([os.path.abspath(__file__), *sys.argv[1:]],
+                                    world_size // args.nodes,
+                                    env={TESTBED_RESULT: str(result_path)})
+                outputs = bed.communicate(jobs, timeout=PG_TIMEOUT.total_seconds() * 4)
+                failed = [node for node, job in enumerate(jobs) if job.returncode]
+                if failed:
+                    for node in failed:
+                        print(outputs[node], file=sys.stderr)
+                    raise subprocess.CalledProcessError(jobs[failed[0]].returncode,
+                                                        f"torchrun of node {failed[0]}")
+                result = json.loads(result_path.read_text())
+            for row in result["rows"]:
+                row.update(link=rate, tcp_bits_per_s=tcp)
+                if args.mode == "allreduce" and rate != "none":
+                    row["bound_ms"] = link_bound_ms(row, testbed.bits_per_second(rate))
+                    row["x_bound"] = row["median_ms"] / row["bound_ms"]
+            results.append(result)
+    merged = _merged(results)
+    if args.mode == "allreduce":
+        _add_model(merged["rows"])
+    return merged
+
+
+def _add_model(rows: list[dict]) -> None:
+    """ddpx.costmodel's time for each ddpx row on a shaped link, from the same engine's time on
+    the unshaped one (--link none) and the link's measured TCP rate."""
+    from ddpx import costmodel, engine
+
+    unshaped = {(row["world_size"], row["engine"], row["size_bytes"]): row["median_ms"]
+                for row in rows if row["link"] == "none"}
+    for row in rows:
+        node_ms = unshaped.get((row["world_size"], row["engine"], row["size_bytes"]))
+        if row["link"] == "none" or node_ms is None or not row["engine"].startswith("ddpx"):
+            continue
+        row["model_ms"] = costmodel.hierarchical_ms(
+            row["size_bytes"], row["nodes"], row["tcp_bits_per_s"], node_ms,
+            chunks=math.ceil(row["size_bytes"] / engine.cross_chunk_bytes()),
+            wire_bytes=2 if WIRE[row["engine"]] else 4)
+        row["x_model"] = row["median_ms"] / row["model_ms"]
+
+
+def link_bound_ms(row: dict, bits_per_s: float) -> float:
+    """The least time an all-reduce of the row's message over its nodes takes on a link of
+    `bits_per_s` per node and direction: each node must send 2(N-1)/N of the message, in the
+    engine's wire dtype (the bound of a bandwidth-optimal all-reduce between N nodes)."""
+    nodes = row["nodes"]
+    wire_bytes = 2 if WIRE.get(row["engine"]) else 4
+    sent = 2 * (nodes - 1) / nodes * row["size_bytes"] * wire_bytes / 4
+    return sent * 8 / bits_per_s * 1e3
+
+
+def _merged(results: list[dict]) -> dict:
+    """One result of the results of several runs (world sizes, links)."""
     return {
         "rows": [row for result in results for row in result["rows"]],
         "left_out": {name: why for result in results for name, why in result["left_out"].items()},
@@ -467,6 +575,9 @@ def _launched(args) -> dict | None:
         world_size = dist.get_world_size()
         result = _run_rank(args)  # ends with a barrier: every rank is done before the load stops
     if int(os.environ["RANK"]) != 0:
+        return None
+    if TESTBED_RESULT in os.environ:  # a node of bench.py's testbed: the parent reports
+        Path(os.environ[TESTBED_RESULT]).write_text(json.dumps(result))
         return None
     if args.world_sizes != [world_size]:
         result["notes"].append(f"launched with WORLD_SIZE={world_size}: only that world size ran")
@@ -939,6 +1050,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     for name, (model, describe) in models.items():
         row = {
             "world_size": dist.get_world_size(),
+            "nodes": _node_count(),
             "hook": name,
             "describe": describe,
             "params": sum(p.numel() for p in initial.parameters()),
@@ -1161,19 +1273,32 @@ def _load_line(settings: dict) -> str:
 
 def _allreduce_table(rows: list[dict]) -> list[str]:
     inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
+    linked = any("link" in row for row in rows)
     header = (
-        f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
+        (f"{'link':>7}  " if linked else "")
+        + f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
         f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
+        + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
         + (f"  {'inter-node MB/call':>18}" if inter_node else "")
     )
     lines = [header, "-" * len(header)]
     for row in rows:
         lines.append(
-            f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
+            (f"{row['link']:>7}  " if linked else "")
+            + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
             f"{row['median_ms']:>10.3f}  {_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
             f"{_ratio(row['x_vs_gloo']):>9}  {_ratio(row.get('x_vs_best_peer')):>14}"
+            + (f"  {_ms(row.get('bound_ms')):>9}  {_ratio(row.get('x_bound')):>7}  "
+               f"{_ms(row.get('model_ms')):>9}  {_ratio(row.get('x_model')):>7}" if linked else "")
             + (f"  {_megabytes(row):>18}" if inter_node else "")
         )
+    if linked:
+        lines.append(
+            "bound: each node sends 2(N-1)/N of the message in the engine's wire dtype at the "
+            "link's rate; x bound = median / bound (1.00 is the link's limit); model: "
+            "ddpx.costmodel from the unshaped (none) row and the TCP rate, x model = median / model"
+        )
+        lines.append(_tcp_line(rows))
     peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
     if peers:
         lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
@@ -1209,7 +1334,18 @@ def _train_table(rows: list[dict]) -> list[str]:
         f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "
         f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
     )
+    nodes = rows[0].get("nodes", 1)
+    if nodes > 1:
+        lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
+    if any("link" in row for row in rows):
+        lines.append(_tcp_line(rows))
     return lines
+
+
+def _tcp_line(rows: list[dict]) -> str:
+    links = {row["link"]: row["tcp_bits_per_s"] for row in rows}
+    measured = ", ".join(f"{rate} {bits / 1e9:.3f} Gbit/s" for rate, bits in links.items())
+    return f"link: network namespaces, tbf-shaped both ways; one TCP stream carried {measured}"
 
 
 def _accuracy_table(rows: list[dict]) -> list[str]:
@@ -1230,6 +1366,10 @@ def _accuracy_table(rows: list[dict]) -> list[str]:
         "vs torch: smaller is more accurate"
     )
     return lines
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _spread(row: dict, digits: int) -> str:

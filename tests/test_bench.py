@@ -216,6 +216,52 @@ def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path
     assert "inter-node MB/call" in stdout and "4 ranks on 2" in stdout
 
 
+def testbed_unavailable() -> str | None:
+    from ddpx import testbed
+
+    return testbed.unavailable()
+
+
+@pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
+                    reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
+def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_path):
+    from ddpx import costmodel
+
+    options = "--sizes 1M --iters 2 --min_time 0.05 --warmup 1 --link none,100mbit".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines",
+                                 "gloo,ddpx,ddpx-bf16", world_sizes="4")
+
+    rows = {(row["link"], row["engine"]): row for row in document["rows"]}
+    assert sorted(rows) == [(link, engine) for link in ("100mbit", "none")
+                            for engine in ("ddpx", "ddpx-bf16", "gloo")]
+    assert all(row["nodes"] == 2 for row in rows.values())
+    for engine, wire_bytes in (("gloo", 4), ("ddpx", 4), ("ddpx-bf16", 2)):
+        shaped, unshaped = rows["100mbit", engine], rows["none", engine]
+        # 2 nodes: each sends the whole message once, in the wire dtype.
+        bound = (1 << 20) * wire_bytes / 4 * 8 / 100e6 * 1e3
+        assert shaped["bound_ms"] == pytest.approx(bound)
+        assert shaped["x_bound"] == pytest.approx(shaped["median_ms"] / bound)
+        assert 0 < shaped["tcp_bits_per_s"] < 100e6 < unshaped["tcp_bits_per_s"]
+        assert "bound_ms" not in unshaped and "model_ms" not in unshaped
+        if engine == "gloo":
+            assert "model_ms" not in shaped
+            continue
+        model = costmodel.hierarchical_ms(1 << 20, 2, shaped["tcp_bits_per_s"],
+                                          unshaped["median_ms"], chunks=1, wire_bytes=wire_bytes)
+        assert shaped["model_ms"] == pytest.approx(model)
+    assert "bound ms" in stdout and "x model" in stdout and "one TCP stream carried" in stdout
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout.split() if ns.startswith("ddpx-")]
+
+
+def test_load_and_link_together_are_refused(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "allreduce", "--link", "1gbit", "--load", "1"],
+        capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "--load with --link" in done.stderr
+
+
 def test_nodes_must_divide_the_world_size(tmp_path):
     done = subprocess.run(
         [sys.executable, str(BENCH), "allreduce", "--world_sizes", "4", "--nodes", "3"],
