@@ -1,6 +1,6 @@
 """What ddpx's hierarchical all-reduce costs across nodes, on paper: the link's time for the
 bytes each node must send, against the node's own work (reduce-scatter, casts, sums, all-gather),
-which the chunked pipeline overlaps with the link except for the first chunk's and the last's.
+which the chunked pipeline overlaps with the link except for the first chunk's trip.
 
 Every time is in milliseconds and every rate in bits per second. ``node_ms`` is measured, not
 modelled: the time the same all-reduce takes with nothing limiting the link (bench.py's
@@ -23,14 +23,16 @@ def bytes_per_node(size_bytes: float, nodes: int, wire_bytes: int = 4) -> float:
 def hierarchical_ms(size_bytes: float, nodes: int, link_bits_per_s: float, node_ms: float,
                     chunks: int, wire_bytes: int = 4, latency_ms: float = 0.0,
                     steps: int | None = None) -> float:
-    """The all-reduce's time: the link's and the node's work overlap chunk by chunk, so the
-    slower of the two sets the pace, and the first chunk's node work (before anything can cross)
-    and the last's (after it is back) add to it. ``latency_ms`` is the link's one-way delay,
-    paid once per step of the cross-node exchange (1 between two nodes, where every chunk is
-    traded whole; 2(N-1) for the ring of N nodes), all chunks in flight at once."""
+    """The all-reduce's time as a pipeline of ``chunks`` chunks through two resources, the node
+    (its share of ``node_ms`` per chunk: reduce-scatter before the chunk crosses, all-gather
+    after) and the link (its share of the bytes): the first chunk's trip through both, then one
+    chunk per step of the slower. ``latency_ms`` is the link's one-way delay, paid once per step
+    of the cross-node exchange (1 between two nodes; 2(N-1) for the ring of N nodes), with every
+    chunk in flight at once."""
     link_ms = bytes_per_node(size_bytes, nodes, wire_bytes) * 8 / link_bits_per_s * 1e3
     steps = steps if steps is not None else (1 if nodes == 2 else 2 * (nodes - 1))
-    return max(link_ms, node_ms) + 2 * node_ms / chunks + steps * latency_ms
+    pipeline = (node_ms + link_ms) / chunks + (chunks - 1) / chunks * max(node_ms, link_ms)
+    return pipeline + steps * latency_ms
 
 
 def flat_ring_ms(size_bytes: float, nodes: int, local_ranks: int, link_bits_per_s: float,
