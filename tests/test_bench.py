@@ -254,20 +254,15 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
                                             text=True).stdout.split() if ns.startswith("ddpx-")]
 
 
-def test_load_and_link_together_are_refused(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "allreduce", "--link", "1gbit", "--load", "1"],
-        capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("options, message", [
+    ("--world_sizes 4 --nodes 3", "--nodes 3 does not divide world size 4 evenly"),
+    ("--link 1gbit --load 1", "--load with --link"),
+])
+def test_options_that_cannot_run_together_are_refused(options, message):
+    done = subprocess.run([sys.executable, str(BENCH), "allreduce", *options.split()],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "--load with --link" in done.stderr
-
-
-def test_nodes_must_divide_the_world_size(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "allreduce", "--world_sizes", "4", "--nodes", "3"],
-        capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert "--nodes 3 does not divide world size 4 evenly" in done.stderr
+    assert message in done.stderr
 
 
 def test_train(tmp_path):
