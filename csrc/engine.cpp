@@ -5,6 +5,8 @@
 #include <atomic>
 #include <cstring>
 #include <future>
+#include <mutex>
+#include <thread>
 #include <sstream>
 #include <stdexcept>
 
@@ -51,56 +53,53 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
 // all-gather hands the pieces back. Every rank holding the chunk ends with the same bits, and the
 // bytes on the network are those of the wire dtype.
 //
-// Chunks go round-robin to lanes, each a thread with its own process group (its own
-// connections), so one chunk's casts and sums overlap another's transfers and the link never
-// waits for the CPU. Every rank of a lane's group sees the same chunks in the same order.
+// Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
+// starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt
+// pieces of each chunk as they arrive and starts gathering them back, and the caller finishes
+// the chunks in order. A lane is two process groups, one that deals and one that gathers, so
+// each sees its transfers in chunk order on every rank whatever the threads' timing; chunks take
+// turns on the lanes, and every transfer fails after the engine's timeout.
 class AcrossNodes final : public CrossNode {
  public:
+  // groups: the dealing and the gathering group of each lane, in turn.
   AcrossNodes(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
               std::chrono::milliseconds timeout)
-      : nodes_(groups.at(0)->getSize()), node_(groups[0]->getRank()), timeout_(timeout) {
+      : groups_(std::move(groups)), timeout_(timeout), link_(std::make_shared<Link>()) {
+    TORCH_INTERNAL_ASSERT(!groups_.empty() && groups_.size() % 2 == 0,
+                          "ddpx: a lane across nodes is two process groups");
+    nodes_ = groups_[0]->getSize();
     if (nodes_ > kMaxSources) {
       throw std::invalid_argument("ddpx: the hierarchical all-reduce sums at most " +
                                   std::to_string(kMaxSources) + " nodes, this job has " +
                                   std::to_string(nodes_));
     }
-    for (auto& group : groups) {
-      auto lane = std::make_shared<Lane>();
-      lane->group = std::move(group);
-      lane->timeout = timeout;
-      lane->bytes_sent = bytes_sent_;
-      lane->thread = std::thread(lane_loop, lane);
-      lanes_.push_back(std::move(lane));
-    }
+    link_->thread = std::thread(link_loop, link_);
   }
 
   ~AcrossNodes() override {
-    for (auto& lane : lanes_) {
-      {
-        std::lock_guard<std::mutex> lock(lane->mu);
-        lane->stopping = true;
-      }
-      lane->cv.notify_all();
-      // A lane still inside a transfer that a failure abandoned ends at its timeout; the
-      // process need not wait for that. The lane owns all it touches, the chunk's data too.
-      if (lane->busy) {
-        lane->thread.detach();
-      } else {
-        lane->thread.join();
-      }
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->stopping = true;
+    }
+    link_->cv.notify_all();
+    // A link thread still waiting on a transfer that a failure abandoned gets its error at the
+    // timeout; the process need not wait for that. It owns all it touches.
+    if (link_->busy) {
+      link_->thread.detach();
+    } else {
+      link_->thread.join();
     }
   }
 
   int nodes() const override { return nodes_; }
-  int node() const override { return node_; }
-  int lanes() const override { return int(lanes_.size()); }
-  uint64_t bytes_sent() const { return bytes_sent_->load(std::memory_order_relaxed); }
+  int node() const override { return groups_[0]->getRank(); }
+  uint64_t bytes_sent() const { return bytes_sent_.load(std::memory_order_relaxed); }
 
   void start_gather(const std::vector<int64_t>& mine) override {
     const int64_t n = int64_t(mine.size());
     words_in_ = at::tensor(at::IntArrayRef(mine), at::kLong);
     words_out_ = at::empty({n * nodes_}, at::kLong);
-    gathering_ = all_gather(*lanes_[0]->group, words_out_, words_in_, timeout_);
+    gathering_ = all_gather(*groups_[0], words_out_, words_in_, timeout_);
   }
 
   std::vector<int64_t> finish_gather() override {
@@ -111,118 +110,125 @@ class AcrossNodes final : public CrossNode {
   }
 
   void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) override {
-    Chunk chunk{std::move(data), acc, wire, n, std::make_shared<std::promise<void>>()};
-    pending_.push_back(chunk.done->get_future());
-    Lane& lane = *lanes_[next_lane_];
-    next_lane_ = (next_lane_ + 1) % lanes_.size();
-    {
-      std::lock_guard<std::mutex> lock(lane.mu);
-      lane.chunks.push_back(std::move(chunk));
+    auto chunk = std::make_shared<Chunk>();
+    chunk->data = std::move(data);
+    chunk->acc = acc;
+    chunk->wire = wire;
+    chunk->n = n;
+    const size_t lane = 2 * (next_lane_++ % (groups_.size() / 2));
+    if (wire == acc) {
+      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
+      std::vector<at::Tensor> tensors{
+          at::from_blob(chunk->data.get(), {n}, at::TensorOptions().dtype(dtype))};
+      c10d::AllreduceOptions opts;
+      opts.timeout = timeout_;
+      chunk->work = groups_[lane]->allreduce(tensors, opts);
+      pending_.push_back(std::move(chunk));
+      return;
     }
-    lane.cv.notify_all();
+    const int64_t wire_size = int64_t(dtype_size(wire));
+    chunk->piece = (n + nodes_ - 1) / nodes_;
+    const int64_t bytes = nodes_ * chunk->piece * wire_size;
+    chunk->dealt = at::empty({bytes}, at::kByte);
+    chunk->received = at::empty({bytes}, at::kByte);
+    chunk->mine = at::empty({chunk->piece * wire_size}, at::kByte);
+    char* out = static_cast<char*>(chunk->dealt.data_ptr());
+    kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
+    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
+    chunk->gathering_group = groups_[lane + 1];
+    chunk->timeout = timeout_;
+    chunk->work = all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+    chunk->gathering = chunk->gathering_started.get_future();
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->dealt.push_back(chunk);
+    }
+    link_->cv.notify_all();
+    pending_.push_back(std::move(chunk));
   }
 
   void finish_reduce() override {
-    std::future<void> done = std::move(pending_.front());
+    std::shared_ptr<Chunk> chunk = std::move(pending_.front());
     pending_.pop_front();
-    done.get();
+    const int64_t wire_size = int64_t(dtype_size(chunk->wire));
+    if (chunk->wire == chunk->acc) {
+      chunk->work->wait();
+      count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
+      return;
+    }
+    chunk->gathering.get();  // the link thread's failure, if it had one
+    chunk->work->wait();
+    kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
+                   1.0, Store::Cached);
+    count(2 * (nodes_ - 1) * chunk->piece * wire_size);
   }
 
  private:
   struct Chunk {
-    std::shared_ptr<void> data;
+    std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
     DType acc, wire;
-    int64_t n;
-    std::shared_ptr<std::promise<void>> done;
+    int64_t n = 0, piece = 0;
+    at::Tensor dealt, received, mine;  // compressed: the wire-dtype pieces
+    c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
+    c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
+    std::chrono::milliseconds timeout{};
+    std::promise<void> gathering_started;  // set by the link thread once work gathers
+    std::future<void> gathering;
   };
-  struct Lane {
-    c10::intrusive_ptr<c10d::ProcessGroup> group;
-    std::chrono::milliseconds timeout;
-    std::shared_ptr<std::atomic<uint64_t>> bytes_sent;
-    at::Tensor dealt, received, mine;  // compressed chunks' buffers, grown to the largest
+  struct Link {
     std::thread thread;
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<Chunk> chunks;
+    std::deque<std::shared_ptr<Chunk>> dealt;  // compressed chunks whose pieces are on the way
     bool stopping = false;
     std::atomic<bool> busy{false};
-    std::string broken;  // why an earlier chunk failed: the lane's group is out of step since
   };
 
-  static void lane_loop(std::shared_ptr<Lane> lane) {
+  // Sums each dealt chunk's pieces as they arrive, in chunk order, and starts gathering them.
+  static void link_loop(std::shared_ptr<Link> link) {
+    std::string broken;  // an earlier transfer failed: the groups are out of step since
     while (true) {
-      Chunk chunk;
+      std::shared_ptr<Chunk> c;
       {
-        std::unique_lock<std::mutex> lock(lane->mu);
-        lane->cv.wait(lock, [&] { return lane->stopping || !lane->chunks.empty(); });
-        if (lane->stopping) return;
-        chunk = std::move(lane->chunks.front());
-        lane->chunks.pop_front();
-        lane->busy = true;
+        std::unique_lock<std::mutex> lock(link->mu);
+        link->cv.wait(lock, [&] { return link->stopping || !link->dealt.empty(); });
+        if (link->stopping) return;
+        c = std::move(link->dealt.front());
+        link->dealt.pop_front();
+        link->busy = true;
       }
       try {
-        if (!lane->broken.empty()) throw std::runtime_error(lane->broken);
-        reduce(*lane, chunk);
-        chunk.done->set_value();
+        if (!broken.empty()) throw std::runtime_error(broken);
+        c->work->wait();
+        const int64_t wire_size = int64_t(dtype_size(c->wire));
+        const int64_t nodes = c->gathering_group->getSize();
+        const void* pieces[kMaxSources];
+        for (int64_t i = 0; i < nodes; ++i) {
+          pieces[i] = static_cast<const char*>(c->received.data_ptr()) + i * c->piece * wire_size;
+        }
+        kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece,
+                         Store::Cached);
+        c->work = all_gather(*c->gathering_group, c->dealt, c->mine, c->timeout);
+        c->gathering_started.set_value();
       } catch (const std::exception& e) {
-        lane->broken = std::string("an earlier transfer failed: ") + e.what();
-        chunk.done->set_exception(std::current_exception());
+        broken = std::string("an earlier transfer failed: ") + e.what();
+        c->gathering_started.set_exception(std::current_exception());
       }
-      lane->busy = false;
+      link->busy = false;
     }
   }
 
-  // The first `bytes` of `storage`, which grows to the largest chunk and is then reused.
-  static at::Tensor buffer(at::Tensor& storage, int64_t bytes) {
-    if (!storage.defined() || storage.numel() < bytes) storage = at::empty({bytes}, at::kByte);
-    return storage.narrow(0, 0, bytes);
-  }
+  void count(int64_t bytes) { bytes_sent_.fetch_add(uint64_t(bytes), std::memory_order_relaxed); }
 
-  static void reduce(Lane& lane, const Chunk& c) {
-    c10d::ProcessGroup& group = *lane.group;
-    const int64_t nodes = group.getSize(), n = c.n;
-    const auto count = [&](int64_t bytes) {
-      lane.bytes_sent->fetch_add(uint64_t(bytes), std::memory_order_relaxed);
-    };
-    const Kernels& k = kernels();
-    const int64_t wire_size = int64_t(dtype_size(c.wire));
-    if (c.wire == c.acc) {
-      const auto dtype = c.acc == DType::Float64 ? at::kDouble : at::kFloat;
-      std::vector<at::Tensor> chunk{
-          at::from_blob(c.data.get(), {n}, at::TensorOptions().dtype(dtype))};
-      c10d::AllreduceOptions opts;
-      opts.timeout = lane.timeout;
-      group.allreduce(chunk, opts)->wait();
-      count(2 * (nodes - 1) * n * wire_size / nodes);
-      return;
-    }
-    const int64_t piece = (n + nodes - 1) / nodes;
-    const int64_t bytes = nodes * piece * wire_size;
-    at::Tensor dealt = buffer(lane.dealt, bytes);
-    at::Tensor received = buffer(lane.received, bytes);
-    at::Tensor mine = buffer(lane.mine, piece * wire_size);
-    char* out = static_cast<char*>(dealt.data_ptr());
-    k.pack(out, c.wire, c.data.get(), c.acc, n, 1.0, Store::Cached);
-    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
-    all_to_all(group, received, dealt, lane.timeout)->wait();
-    const void* pieces[kMaxSources];
-    for (int64_t i = 0; i < nodes; ++i) {
-      pieces[i] = static_cast<const char*>(received.data_ptr()) + i * piece * wire_size;
-    }
-    k.reduce(mine.data_ptr(), c.wire, pieces, int(nodes), c.wire, piece, Store::Cached);
-    all_gather(group, dealt, mine, lane.timeout)->wait();
-    k.pack(c.data.get(), c.acc, out, c.wire, n, 1.0, Store::Cached);
-    count(2 * (nodes - 1) * piece * wire_size);
-  }
-
-  int nodes_, node_;
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+  int nodes_ = 0;
   std::chrono::milliseconds timeout_;
-  std::vector<std::shared_ptr<Lane>> lanes_;
+  std::shared_ptr<Link> link_;
   size_t next_lane_ = 0;
-  std::deque<std::future<void>> pending_;  // started chunks, oldest first
+  std::deque<std::shared_ptr<Chunk>> pending_;  // started chunks, oldest first
   at::Tensor words_in_, words_out_;
   c10::intrusive_ptr<c10d::Work> gathering_;
-  std::shared_ptr<std::atomic<uint64_t>> bytes_sent_ = std::make_shared<std::atomic<uint64_t>>(0);
+  std::atomic<uint64_t> bytes_sent_{0};
 };
 
 namespace {

@@ -35,6 +35,8 @@ constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr size_t kStreamBytes = size_t(8) << 20;
+// Chunks started across nodes and not yet all-gathered, per rank (README, "Across a network").
+constexpr int64_t kCrossChunksInFlight = 6;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -593,23 +595,42 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     node_sums_ = std::make_shared<std::vector<char>>(size_t(total) * acc_size);
   }
   char* sums = node_sums_->data();
-  const int64_t chunk_blocks =
+  // Chunk c is blocks [starts[c], starts[c + 1]). The first chunks grow from one block to the
+  // full size and the last shrink back to one: the link waits for the first chunk's
+  // reduce-scatter, and the call for the last chunk's all-gather, so those are short.
+  const int64_t full_chunk =
       std::max<int64_t>(1, int64_t(chunk_bytes_ / (size_t(per_block) * data_size)));
-  const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
-  const int64_t in_flight = cross_node_->lanes() + 4;
+  std::vector<int64_t> ramp;
+  for (int64_t size = 1; size < full_chunk; size *= 2) ramp.push_back(size);
+  std::vector<int64_t> starts{0};
+  auto add_chunk = [&](int64_t size) {
+    starts.push_back(std::min(blocks, starts.back() + size));
+  };
+  int64_t ramps = 0;
+  for (int64_t size : ramp) ramps += 2 * size;
+  if (blocks >= ramps) {
+    for (int64_t size : ramp) add_chunk(size);
+    while (starts.back() < blocks - ramps / 2) add_chunk(std::min(full_chunk, blocks - ramps / 2 - starts.back()));
+    for (auto size = ramp.rbegin(); size != ramp.rend(); ++size) add_chunk(*size);
+  } else {
+    for (int64_t size = 1; starts.back() < blocks; size = std::min(2 * size, full_chunk)) add_chunk(size);
+  }
+  const int64_t chunks = int64_t(starts.size()) - 1;
+  const int64_t in_flight = kCrossChunksInFlight;
   auto chunk_elements = [&](int64_t c) {
-    return slice_offset(std::min(blocks, (c + 1) * chunk_blocks)) - slice_offset(c * chunk_blocks);
+    return slice_offset(starts[size_t(c + 1)]) - slice_offset(starts[size_t(c)]);
+  };
+  auto across = [&](auto&& transfer) {
+    try {
+      transfer();
+    } catch (const std::exception& e) {
+      fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what + " failed: " +
+           e.what());
+    }
   };
   auto gather_chunk = [&](int64_t c) {
-    if (chunk_elements(c) > 0) {
-      try {
-        cross_node_->finish_reduce();
-      } catch (const std::exception& e) {
-        fail("ddpx: " + rank_name(me_) + ": the all-reduce across nodes of " + what +
-             " failed: " + e.what());
-      }
-    }
-    for (int64_t b = c * chunk_blocks; b < std::min(blocks, (c + 1) * chunk_blocks); ++b) {
+    if (chunk_elements(c) > 0) across([&] { cross_node_->finish_reduce(); });
+    for (int64_t b = starts[size_t(c)]; b < starts[size_t(c + 1)]; ++b) {
       const uint64_t step = ++step_;
       const auto [lo, hi] = my_slice(block_count(b));
       k.pack(output_slot(step) + size_t(lo) * acc_size, acc,
@@ -619,8 +640,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   };
   int64_t gathered = 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t first = c * chunk_blocks;
-    for (int64_t b = first; b < std::min(blocks, first + chunk_blocks); ++b) {
+    const int64_t first = starts[size_t(c)];
+    for (int64_t b = first; b < starts[size_t(c + 1)]; ++b) {
       const uint64_t step = arrive(b);
       const auto [lo, hi] = my_slice(block_count(b));
       sum_my_slice(step, lo, hi, sums + size_t(slice_offset(b)) * acc_size);
@@ -629,7 +650,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     if (c == 0) finish_node_check(mine, "", what);
     if (chunk_elements(c) > 0) {
       const std::shared_ptr<void> chunk(node_sums_, sums + size_t(slice_offset(first)) * acc_size);
-      cross_node_->start_reduce(chunk, acc, wire, chunk_elements(c));
+      across([&] { cross_node_->start_reduce(chunk, acc, wire, chunk_elements(c)); });
     }
     if (c + 1 - gathered >= in_flight) gather_chunk(gathered++);
   }

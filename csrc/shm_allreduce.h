@@ -74,10 +74,9 @@ class CrossNode {
   virtual std::vector<int64_t> finish_gather() = 0;
   // Starts summing n accumulation-dtype elements in place over the nodes, sending them in the
   // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
-  // oldest transfer still running and throws its failure. Up to lanes() run at once.
+  // oldest transfer still running and throws its failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
   virtual void finish_reduce() = 0;
-  virtual int lanes() const = 0;
 };
 
 class ShmAllreduce {

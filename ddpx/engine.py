@@ -37,9 +37,9 @@ _SEGMENT_PREFIX = "ddpx-"
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
 _ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "4096"))
 # Across nodes (README, "Across a network"): slices cross in chunks of this much of the message,
-# over this many process groups at once, so that the link is never idle while the node sums.
+# taking turns on this many lanes (two process groups each), so the link never waits for the node.
 _CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))
-_CROSS_LANES = int(os.environ.get("DDPX_CROSS_LANES", "2"))
+_CROSS_LANES = int(os.environ.get("DDPX_CROSS_LANES", "1"))
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
@@ -193,21 +193,21 @@ def _node_identity() -> str:
     return f"{_host_identity()}#{os.environ.get('GROUP_RANK', '0')}"
 
 
-# (global ranks, one per node in node order; lane) -> their process group. Weak: torch holds a
+# (global ranks, one per node in node order; index) -> their process group. Weak: torch holds a
 # group until destroy_process_group, and a new one must be made after that.
 _across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _across_nodes(ranks: list[int]) -> list:
-    """The process groups (one per lane) of these global ranks, the same local index on every
-    node. Only they make them (so any group can span nodes), and engines that pair the same ranks
-    share them."""
+    """The process groups (a dealing and a gathering one per lane) of these global ranks, the
+    same local index on every node. Only they make them (so any group can span nodes), and
+    engines that pair the same ranks share them."""
     if _CROSS_LANES < 1 or _CROSS_CHUNK_KB < 1:
         raise ValueError(
             f"ddpx: DDPX_CROSS_LANES={_CROSS_LANES} and DDPX_CROSS_CHUNK_KB={_CROSS_CHUNK_KB}: "
-            "both must be 1 or more (unset them for the defaults, 2 and 4096)")
+            "both must be 1 or more (unset them for the defaults, 1 and 4096)")
     groups = []
-    for lane in range(_CROSS_LANES):
+    for lane in range(2 * _CROSS_LANES):  # a dealing and a gathering group per lane
         key = (tuple(ranks), lane)
         group = _across_groups.get(key)
         if group is None:
