@@ -595,26 +595,12 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     node_sums_ = std::make_shared<std::vector<char>>(size_t(total) * acc_size);
   }
   char* sums = node_sums_->data();
-  // Chunk c is blocks [starts[c], starts[c + 1]). The first chunks grow from one block to the
-  // full size and the last shrink back to one: the link waits for the first chunk's
-  // reduce-scatter, and the call for the last chunk's all-gather, so those are short.
+  // Chunk c is blocks [starts[c], starts[c + 1]).
   const int64_t full_chunk =
       std::max<int64_t>(1, int64_t(chunk_bytes_ / (size_t(per_block) * data_size)));
-  std::vector<int64_t> ramp;
-  for (int64_t size = 1; size < full_chunk; size *= 2) ramp.push_back(size);
-  std::vector<int64_t> starts{0};
-  auto add_chunk = [&](int64_t size) {
-    starts.push_back(std::min(blocks, starts.back() + size));
-  };
-  int64_t ramps = 0;
-  for (int64_t size : ramp) ramps += 2 * size;
-  if (blocks >= ramps) {
-    for (int64_t size : ramp) add_chunk(size);
-    while (starts.back() < blocks - ramps / 2) add_chunk(std::min(full_chunk, blocks - ramps / 2 - starts.back()));
-    for (auto size = ramp.rbegin(); size != ramp.rend(); ++size) add_chunk(*size);
-  } else {
-    for (int64_t size = 1; starts.back() < blocks; size = std::min(2 * size, full_chunk)) add_chunk(size);
-  }
+  std::vector<int64_t> starts;
+  for (int64_t b = 0; b < blocks; b += full_chunk) starts.push_back(b);
+  starts.push_back(blocks);
   const int64_t chunks = int64_t(starts.size()) - 1;
   const int64_t in_flight = kCrossChunksInFlight;
   auto chunk_elements = [&](int64_t c) {
