@@ -63,8 +63,8 @@ class Engine {
 
 class ShmEngine final : public Engine {
  public:
-  // With across_nodes (process groups of the ranks of this local index on every node, one per
-  // lane), each rank's slices are summed across nodes between the node's two phases, in chunks
+  // With across_nodes (process groups of the ranks of this local index on every node, a
+  // dealing and a gathering one per lane), each rank's slices are summed across nodes between the node's two phases, in chunks
   // of about chunk_bytes of the message, in the wire dtype when compressed; every transfer
   // fails after `timeout`.
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
