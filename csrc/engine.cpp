@@ -46,6 +46,132 @@ c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor&
 #endif
 }
 
+namespace {
+
+// Where a rank that gives up says so to every rank of its job: a key of the job's store. A
+// thread of its own talks to the store, which may be out of reach (the link to its host cut):
+// neither a wait nor a rank that gives up ever blocks on it. It reads the key only while some
+// wait has lasted kAbortPoll, so a job's store sees no traffic from waits that end in time.
+class AbortWatch {
+ public:
+  AbortWatch(c10::intrusive_ptr<c10d::Store> store, std::string key)
+      : store_(std::move(store)), key_(std::move(key)) {}
+
+  static void start(const std::shared_ptr<AbortWatch>& watch) {
+    watch->thread_ = std::thread(loop, watch);
+  }
+
+  // Ends the thread; one still inside a store call (its host out of reach) is left to finish.
+  void stop() {
+    bool in_store;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      in_store = in_store_;
+    }
+    cv_.notify_all();
+    if (in_store) {
+      thread_.detach();
+    } else {
+      thread_.join();
+    }
+  }
+
+  void give_up(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (mine_.empty()) mine_ = why;
+    }
+    cv_.notify_all();
+  }
+
+  // Waits for a transfer and throws its failure, or why another rank gave up.
+  void await(c10d::Work& work) {
+    struct Done {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto done = std::make_shared<Done>();
+    work.getFuture()->addCallback([done](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(done->mu);
+      done->done = true;
+      done->cv.notify_all();
+    });
+    bool watching = false;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(done->mu);
+        if (done->cv.wait_for(lock, kAbortPoll, [&] { return done->done; })) break;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!theirs_.empty()) {
+        if (watching) --long_waits_;
+        throw std::runtime_error("another rank gave up: " + theirs_);
+      }
+      if (!watching) {
+        watching = true;
+        ++long_waits_;
+      }
+    }
+    if (watching) {
+      std::lock_guard<std::mutex> lock(mu_);
+      --long_waits_;
+    }
+    work.wait();
+  }
+
+ private:
+  static constexpr auto kAbortPoll = std::chrono::milliseconds(100);
+
+  static void loop(std::shared_ptr<AbortWatch> w) {
+    std::unique_lock<std::mutex> lock(w->mu_);
+    bool said = false;
+    while (true) {
+      w->cv_.wait_for(lock, kAbortPoll,
+                      [&] { return w->stopping_ || (!said && !w->mine_.empty()); });
+      if (w->stopping_) return;
+      const bool say = !said && !w->mine_.empty();
+      const bool look = w->long_waits_ > 0 && w->theirs_.empty();
+      if (!say && !look) continue;
+      const std::string mine = w->mine_;
+      w->in_store_ = true;
+      lock.unlock();
+      std::string theirs;
+      bool reachable = true;
+      try {
+        if (say) {
+          w->store_->compareSet(w->key_, std::vector<uint8_t>(),
+                                std::vector<uint8_t>(mine.begin(), mine.end()));
+        } else if (w->store_->check({w->key_})) {
+          const std::vector<uint8_t> why = w->store_->get(w->key_);
+          theirs.assign(why.begin(), why.end());
+        }
+      } catch (const std::exception&) {
+        reachable = false;  // the transfers still fail by themselves, at their timeout
+      }
+      lock.lock();
+      w->in_store_ = false;
+      if (!reachable) return;
+      said = said || say;
+      if (!theirs.empty()) w->theirs_ = theirs;
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string key_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::string mine_;    // why this rank gave up, to be said
+  std::string theirs_;  // why a rank gave up, as the store says
+  int long_waits_ = 0;  // waits that have lasted kAbortPoll
+  bool in_store_ = false;
+};
+
+}  // namespace
+
 // The node-to-node step of the hierarchical all-reduce, for one chunk of one rank's slices.
 // Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
 // ways and is still summed in float32: an all-to-all deals each node one piece of every node's
@@ -63,8 +189,10 @@ class AcrossNodes final : public CrossNode {
  public:
   // groups: the dealing and the gathering group of each lane, in turn.
   AcrossNodes(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
-              std::chrono::milliseconds timeout)
+              std::chrono::milliseconds timeout, std::shared_ptr<AbortWatch> watch)
       : groups_(std::move(groups)), timeout_(timeout), link_(std::make_shared<Link>()) {
+    link_->watch = std::move(watch);
+    AbortWatch::start(link_->watch);
     TORCH_INTERNAL_ASSERT(!groups_.empty() && groups_.size() % 2 == 0,
                           "ddpx: a lane across nodes is two process groups");
     nodes_ = groups_[0]->getSize();
@@ -89,6 +217,7 @@ class AcrossNodes final : public CrossNode {
     } else {
       link_->thread.join();
     }
+    link_->watch->stop();
   }
 
   int nodes() const override { return nodes_; }
@@ -104,7 +233,7 @@ class AcrossNodes final : public CrossNode {
 
   std::vector<int64_t> finish_gather() override {
     auto work = std::move(gathering_);
-    work->wait();
+    link_->watch->await(*work);
     const int64_t* words = words_out_.const_data_ptr<int64_t>();
     return std::vector<int64_t>(words, words + words_out_.numel());
   }
@@ -152,12 +281,12 @@ class AcrossNodes final : public CrossNode {
     pending_.pop_front();
     const int64_t wire_size = int64_t(dtype_size(chunk->wire));
     if (chunk->wire == chunk->acc) {
-      chunk->work->wait();
+      link_->watch->await(*chunk->work);
       count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
       return;
     }
     chunk->gathering.get();  // the link thread's failure, if it had one
-    chunk->work->wait();
+    link_->watch->await(*chunk->work);
     kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
                    1.0, Store::Cached);
     count(2 * (nodes_ - 1) * chunk->piece * wire_size);
@@ -182,6 +311,7 @@ class AcrossNodes final : public CrossNode {
     std::deque<std::shared_ptr<Chunk>> dealt;  // compressed chunks whose pieces are on the way
     bool stopping = false;
     std::atomic<bool> busy{false};
+    std::shared_ptr<AbortWatch> watch;
   };
 
   // Sums each dealt chunk's pieces as they arrive, in chunk order, and starts gathering them.
@@ -199,7 +329,7 @@ class AcrossNodes final : public CrossNode {
       }
       try {
         if (!broken.empty()) throw std::runtime_error(broken);
-        c->work->wait();
+        link->watch->await(*c->work);
         const int64_t wire_size = int64_t(dtype_size(c->wire));
         const int64_t nodes = c->gathering_group->getSize();
         const void* pieces[kMaxSources];
@@ -217,6 +347,8 @@ class AcrossNodes final : public CrossNode {
       link->busy = false;
     }
   }
+
+  void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }
 
   void count(int64_t bytes) { bytes_sent_.fetch_add(uint64_t(bytes), std::memory_order_relaxed); }
 
@@ -299,10 +431,14 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes,
-                     std::chrono::milliseconds timeout, size_t chunk_bytes)
+                     std::chrono::milliseconds timeout, size_t chunk_bytes,
+                     c10::intrusive_ptr<c10d::Store> store, std::string abort_key)
     : queue_(std::make_shared<Queue>()) {
   if (!across_nodes.empty()) {
-    across_nodes_ = std::make_shared<AcrossNodes>(std::move(across_nodes), timeout);
+    TORCH_INTERNAL_ASSERT(store, "ddpx: across nodes, an engine needs the job's store");
+    across_nodes_ = std::make_shared<AcrossNodes>(
+        std::move(across_nodes), timeout,
+        std::make_shared<AbortWatch>(std::move(store), std::move(abort_key)));
     shm->set_cross_node(across_nodes_, chunk_bytes);
   }
   queue_->shm = std::move(shm);

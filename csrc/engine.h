@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <condition_variable>
@@ -66,10 +67,12 @@ class ShmEngine final : public Engine {
   // With across_nodes (process groups of the ranks of this local index on every node, a
   // dealing and a gathering one per lane), each rank's slices are summed across nodes between the node's two phases, in chunks
   // of about chunk_bytes of the message, in the wire dtype when compressed; every transfer
-  // fails after `timeout`.
+  // fails after `timeout`, or as soon as a rank of the job puts why it gave up under
+  // `abort_key` in `store` (which this rank does when it gives up).
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes = {},
-                     std::chrono::milliseconds timeout = {}, size_t chunk_bytes = 0);
+                     std::chrono::milliseconds timeout = {}, size_t chunk_bytes = 0,
+                     c10::intrusive_ptr<c10d::Store> store = {}, std::string abort_key = {});
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;

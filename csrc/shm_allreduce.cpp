@@ -248,6 +248,7 @@ void ShmAllreduce::fail(const std::string& message) {
     control_[r].wake.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&control_[r].wake);
   }
+  if (cross_node_) cross_node_->abort(message);
   throw std::runtime_error(message);
 }
 

@@ -77,6 +77,9 @@ class CrossNode {
   // oldest transfer still running and throws its failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
   virtual void finish_reduce() = 0;
+  // Tells every other rank of the job that this one gave up (why), so that their waits across
+  // nodes end now instead of at their timeout. Does not throw.
+  virtual void abort(const std::string& why) noexcept = 0;
 };
 
 class ShmAllreduce {

@@ -158,7 +158,8 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             segment = _create_segment(name, size, block_bytes)
             engine = C.make_shm_engine(segment, size, block_bytes, 0, names, one_shot_bytes,
                                        timeout.total_seconds(), True, across_nodes,
-                                       cross_chunk_bytes())
+                                       cross_chunk_bytes(), meeting.store,
+                                       f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put(f"segment/{node}", f"error {error}")
             C.ShmSegment.unlink(name)
@@ -177,7 +178,8 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, block_bytes))
             engine = C.make_shm_engine(segment, size, block_bytes, index, names, one_shot_bytes,
                                        timeout.total_seconds(), False, across_nodes,
-                                       cross_chunk_bytes())
+                                       cross_chunk_bytes(), meeting.store,
+                                       f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001
             verdict = f"rank {ranks[me]} could not map the segment: {error}"
         meeting.put(f"attached/{node}/{index}", verdict)

@@ -103,7 +103,8 @@ FAULT = PRELUDE + textwrap.dedent('''
     fault, node, local = sys.argv[2], int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
     big = torch.ones(25 << 18)  # 25 MiB
     # The world's engine, which ddpx.all_reduce uses too, with the test's timeout.
-    state = ddpx.FusedHookState(timeout=timedelta(seconds=float(os.environ["TIMEOUT_S"])))
+    timeout_s = os.environ.get(f"NODE{node}_TIMEOUT_S", os.environ["TIMEOUT_S"])
+    state = ddpx.FusedHookState(timeout=timedelta(seconds=float(timeout_s)))
     ddpx.all_reduce(big[:1000])  # every rank is in step from here
     report("ready", path=state.describe())
     try:
@@ -130,8 +131,9 @@ FAULT = PRELUDE + textwrap.dedent('''
     except Exception as error:
         report("error", error=f"{type(error).__name__}: {error}")
         if fault == "stop":
-            # Stay alive, holding every connection open: a peer must time out, not learn of the
-            # fault from a closed socket. The test kills the job.
+            # Stay alive, holding every connection open: a peer must learn of the fault from
+            # ddpx (its timeout, or a rank that gave up), not from a closed socket. The test
+            # kills the job.
             signal.pause()
         sys.exit(1)
 ''')
@@ -153,11 +155,12 @@ def wait_for(folder, kind: str, ranks: int, until: float, jobs) -> dict[int, dic
     return found
 
 
-def launch(bed: testbed.Testbed, folder, script: str, *args: str) -> list[subprocess.Popen]:
+def launch(bed: testbed.Testbed, folder, script: str, *args: str,
+           env: dict | None = None) -> list[subprocess.Popen]:
     path = folder / "job.py"
     path.write_text(script)
     return bed.torchrun([str(path), str(folder), *args], nproc_per_node=2,
-                        env={"TIMEOUT_S": str(TIMEOUT_S), "BOUND_S": str(BOUND_S)})
+                        env={"TIMEOUT_S": str(TIMEOUT_S), "BOUND_S": str(BOUND_S), **(env or {})})
 
 
 def ours() -> list[str]:
@@ -240,12 +243,12 @@ def test_sums_and_training_across_shaped_links_match_float64_and_ddp(nodes, tmp_
 # Faults on the wire
 
 
-def run_fault(fault: str, rate: str, tmp_path):
+def run_fault(fault: str, rate: str, tmp_path, env: dict | None = None):
     """Runs FAULT's ``fault`` case on 2 nodes; returns (the fault's time, the ranks' errors,
     the nodes' exit statuses, their outputs). Killing the testbed ends the job however far it
     got: a run that hangs shows as missing errors, never as a stuck test."""
     with ThreadPoolExecutor(1) as pool, testbed.Testbed(2, rate=rate) as bed:
-        jobs = launch(bed, tmp_path, FAULT, fault)
+        jobs = launch(bed, tmp_path, FAULT, fault, env=env)
         output = pool.submit(finish, bed, jobs, START_S + 2 * BOUND_S)
 
         def fail(message: str):
@@ -320,3 +323,16 @@ def test_a_rank_that_raises_instead_of_calling_fails_its_partner_on_the_other_no
     # the link, and 2 for 0; rank 1's own next call must raise too, as the others gave up.
     assert_ddpx_errors(at, errors, range(4), logs)
     assert_exited_with_errors(statuses, logs)
+
+
+
+def test_a_rank_that_gives_up_stops_the_other_nodes_before_their_own_timeout(tmp_path):
+    # As above, but node 0's ranks would wait 10 minutes: they are in the check across nodes,
+    # where nothing local wakes them. Rank 2 gives up at node 1's timeout (rank 3 is stopped)
+    # and says so in the job's store; 0 and 1 must raise from that, long before their own.
+    at, errors, _, logs = run_fault("stop", "1gbit", tmp_path, env={"NODE0_TIMEOUT_S": "600"})
+    assert_ddpx_errors(at, errors, (0, 1, 2), logs)
+    assert "timed out" in errors[2]["error"], errors[2]
+    for r in (0, 1):
+        assert "another rank gave up" in errors[r]["error"], errors[r]
+        assert "rank 2 timed out" in errors[r]["error"], errors[r]
