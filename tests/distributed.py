@@ -39,6 +39,27 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
             dist.destroy_process_group()
 
 
+def train_small_ddp(rank: int, register=None) -> tuple[list, object]:
+    """Job scripts take this function's source: DDP of a small MLP from seed 0, 4 KB buckets,
+    5 SGD steps on data seeded by ``rank``. ``register(model)`` (a hook's registration) runs
+    before the first step; returns the final parameters, as lists, and what it returned."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    model = DDP(net, bucket_cap_mb=0.004)
+    registered = register(model) if register else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().flatten().tolist() for p in net.parameters()], registered
+
+
 def job_processes(marker: str) -> list[int]:
     """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
     found = []

@@ -3,6 +3,7 @@ ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchicall
 node through that node's own segment, across nodes through the process group. Also with
 compression, for groups other than the world, and with bad calls that must raise on every node."""
 
+import inspect
 import json
 import os
 import socket
@@ -13,33 +14,21 @@ from pathlib import Path
 
 import torch
 
-from distributed import kill_job, run_ranks, shm_segments
+from distributed import kill_job, run_ranks, shm_segments, train_small_ddp
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-JOB = textwrap.dedent('''
+JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
     import gc, json, os, sys
     import torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     import ddpx
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = {}
-    for hook, compression in (("default", None), ("ddpx", None), ("ddpx-bf16", "bf16")):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-        model = DDP(net, bucket_cap_mb=0.004)
-        if hook != "default":
-            out["path"] = ddpx.register_fused_hook(model, compression=compression).describe()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        data = torch.Generator().manual_seed(rank)
-        for _ in range(5):
-            x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        out[hook] = [p.detach().flatten().tolist() for p in net.parameters()]
-        del model, optimizer
+    out["default"], _ = train_small_ddp(rank)
+    for hook, compression in (("ddpx", None), ("ddpx-bf16", "bf16")):
+        out[hook], out["path"] = train_small_ddp(
+            rank, lambda model: ddpx.register_fused_hook(model, compression=compression).describe())
     engine = ddpx.FusedHookState().engine
     for compression in (None, "bf16", "fp16"):
         big = torch.full((300_000,), float(rank + 1))

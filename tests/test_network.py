@@ -21,7 +21,7 @@ import torch
 
 from ddpx import testbed
 
-from distributed import job_processes, shm_segments
+from distributed import job_processes, shm_segments, train_small_ddp
 
 pytestmark = pytest.mark.skipif(testbed.unavailable() is not None,
                                 reason=str(testbed.unavailable()))
@@ -62,9 +62,8 @@ PRELUDE = inspect.getsource(rank_data) + textwrap.dedent('''
         os.replace(path + ".tmp", path)
 ''')
 
-REDUCE = PRELUDE + textwrap.dedent('''
+REDUCE = PRELUDE + inspect.getsource(train_small_ddp) + textwrap.dedent('''
     import hashlib
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     engine = ddpx.FusedHookState().engine
     out, results = {"path": ddpx.FusedHookState().describe()}, {}
@@ -76,20 +75,8 @@ REDUCE = PRELUDE + textwrap.dedent('''
             results[f"{compression} {n}"] = t
     if rank == 0:
         torch.save(results, os.path.join(folder, "results.pt"))
-    for hook in ("default", "ddpx"):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-        model = DDP(net, bucket_cap_mb=0.004)
-        if hook == "ddpx":
-            ddpx.register_fused_hook(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        data = torch.Generator().manual_seed(rank)
-        for _ in range(5):
-            x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        out[hook] = [p.detach().flatten().tolist() for p in net.parameters()]
+    out["default"], _ = train_small_ddp(rank)
+    out["ddpx"], _ = train_small_ddp(rank, ddpx.register_fused_hook)
     out["bytes_across_nodes"] = engine.bytes_across_nodes
     report("result", **out)
     dist.destroy_process_group()
