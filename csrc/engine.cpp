@@ -191,8 +191,6 @@ class AcrossNodes final : public CrossNode {
   AcrossNodes(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
               std::chrono::milliseconds timeout, std::shared_ptr<AbortWatch> watch)
       : groups_(std::move(groups)), timeout_(timeout), link_(std::make_shared<Link>()) {
-    link_->watch = std::move(watch);
-    AbortWatch::start(link_->watch);
     TORCH_INTERNAL_ASSERT(!groups_.empty() && groups_.size() % 2 == 0,
                           "ddpx: a lane across nodes is two process groups");
     nodes_ = groups_[0]->getSize();
@@ -201,6 +199,11 @@ class AcrossNodes final : public CrossNode {
                                   std::to_string(kMaxSources) + " nodes, this job has " +
                                   std::to_string(nodes_));
     }
+    // The threads start once nothing here can throw: a thread left running by a constructor
+    // that throws would end the process.
+    link_->timeout = timeout;
+    link_->watch = std::move(watch);
+    AbortWatch::start(link_->watch);
     link_->thread = std::thread(link_loop, link_);
   }
 
@@ -265,7 +268,6 @@ class AcrossNodes final : public CrossNode {
     kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
     std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     chunk->gathering_group = groups_[lane + 1];
-    chunk->timeout = timeout_;
     chunk->work = all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
     chunk->gathering = chunk->gathering_started.get_future();
     {
@@ -300,7 +302,6 @@ class AcrossNodes final : public CrossNode {
     at::Tensor dealt, received, mine;  // compressed: the wire-dtype pieces
     c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
-    std::chrono::milliseconds timeout{};
     std::promise<void> gathering_started;  // set by the link thread once work gathers
     std::future<void> gathering;
   };
@@ -311,6 +312,7 @@ class AcrossNodes final : public CrossNode {
     std::deque<std::shared_ptr<Chunk>> dealt;  // compressed chunks whose pieces are on the way
     bool stopping = false;
     std::atomic<bool> busy{false};
+    std::chrono::milliseconds timeout{};
     std::shared_ptr<AbortWatch> watch;
   };
 
@@ -338,7 +340,7 @@ class AcrossNodes final : public CrossNode {
         }
         kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece,
                          Store::Cached);
-        c->work = all_gather(*c->gathering_group, c->dealt, c->mine, c->timeout);
+        c->work = all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
         c->gathering_started.set_value();
       } catch (const std::exception& e) {
         broken = std::string("an earlier transfer failed: ") + e.what();

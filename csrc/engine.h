@@ -65,10 +65,10 @@ class Engine {
 class ShmEngine final : public Engine {
  public:
   // With across_nodes (process groups of the ranks of this local index on every node, a
-  // dealing and a gathering one per lane), each rank's slices are summed across nodes between the node's two phases, in chunks
-  // of about chunk_bytes of the message, in the wire dtype when compressed; every transfer
-  // fails after `timeout`, or as soon as a rank of the job puts why it gave up under
-  // `abort_key` in `store` (which this rank does when it gives up).
+  // dealing and a gathering one per lane), each rank's slices are summed across nodes between
+  // the node's two phases, in chunks of about chunk_bytes of the message, in the wire dtype when
+  // compressed; every transfer fails after `timeout`, or as soon as a rank of the job puts why
+  // it gave up under `abort_key` in `store` (which this rank does when it gives up).
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
                      std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes = {},
                      std::chrono::milliseconds timeout = {}, size_t chunk_bytes = 0,

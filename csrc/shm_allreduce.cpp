@@ -596,16 +596,13 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     node_sums_ = std::make_shared<std::vector<char>>(size_t(total) * acc_size);
   }
   char* sums = node_sums_->data();
-  // Chunk c is blocks [starts[c], starts[c + 1]).
-  const int64_t full_chunk =
+  // Chunk c is blocks [chunk_start(c), chunk_start(c + 1)).
+  const int64_t chunk_blocks =
       std::max<int64_t>(1, int64_t(chunk_bytes_ / (size_t(per_block) * data_size)));
-  std::vector<int64_t> starts;
-  for (int64_t b = 0; b < blocks; b += full_chunk) starts.push_back(b);
-  starts.push_back(blocks);
-  const int64_t chunks = int64_t(starts.size()) - 1;
-  const int64_t in_flight = kCrossChunksInFlight;
+  const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
+  auto chunk_start = [&](int64_t c) { return std::min(blocks, c * chunk_blocks); };
   auto chunk_elements = [&](int64_t c) {
-    return slice_offset(starts[size_t(c + 1)]) - slice_offset(starts[size_t(c)]);
+    return slice_offset(chunk_start(c + 1)) - slice_offset(chunk_start(c));
   };
   auto across = [&](auto&& transfer) {
     try {
@@ -617,7 +614,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   };
   auto gather_chunk = [&](int64_t c) {
     if (chunk_elements(c) > 0) across([&] { cross_node_->finish_reduce(); });
-    for (int64_t b = starts[size_t(c)]; b < starts[size_t(c + 1)]; ++b) {
+    for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
       const uint64_t step = ++step_;
       const auto [lo, hi] = my_slice(block_count(b));
       k.pack(output_slot(step) + size_t(lo) * acc_size, acc,
@@ -627,8 +624,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   };
   int64_t gathered = 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t first = starts[size_t(c)];
-    for (int64_t b = first; b < starts[size_t(c + 1)]; ++b) {
+    const int64_t first = chunk_start(c);
+    for (int64_t b = first; b < chunk_start(c + 1); ++b) {
       const uint64_t step = arrive(b);
       const auto [lo, hi] = my_slice(block_count(b));
       sum_my_slice(step, lo, hi, sums + size_t(slice_offset(b)) * acc_size);
@@ -639,7 +636,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       const std::shared_ptr<void> chunk(node_sums_, sums + size_t(slice_offset(first)) * acc_size);
       across([&] { cross_node_->start_reduce(chunk, acc, wire, chunk_elements(c)); });
     }
-    if (c + 1 - gathered >= in_flight) gather_chunk(gathered++);
+    if (c + 1 - gathered >= kCrossChunksInFlight) gather_chunk(gathered++);
   }
   while (gathered < chunks) gather_chunk(gathered++);
 }

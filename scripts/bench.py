@@ -441,7 +441,7 @@ def _add_model(rows: list[dict]) -> None:
         row["model_ms"] = costmodel.hierarchical_ms(
             row["size_bytes"], row["nodes"], row["tcp_bits_per_s"], node_ms,
             chunks=math.ceil(row["size_bytes"] / engine.cross_chunk_bytes()),
-            wire_bytes=2 if WIRE[row["engine"]] else 4)
+            wire_bytes=_wire_bytes(row["engine"]))
         row["x_model"] = row["median_ms"] / row["model_ms"]
 
 
@@ -449,10 +449,15 @@ def link_bound_ms(row: dict, bits_per_s: float) -> float:
     """The least time an all-reduce of the row's message over its nodes takes on a link of
     `bits_per_s` per node and direction: each node must send 2(N-1)/N of the message, in the
     engine's wire dtype (the bound of a bandwidth-optimal all-reduce between N nodes)."""
-    nodes = row["nodes"]
-    wire_bytes = 2 if WIRE.get(row["engine"]) else 4
-    sent = 2 * (nodes - 1) / nodes * row["size_bytes"] * wire_bytes / 4
+    from ddpx import costmodel
+
+    sent = costmodel.bytes_per_node(row["size_bytes"], row["nodes"], _wire_bytes(row["engine"]))
     return sent * 8 / bits_per_s * 1e3
+
+
+def _wire_bytes(engine: str) -> int:
+    """Bytes per element an engine sends: 2 with compression, else float32's 4."""
+    return 2 if WIRE.get(engine) else 4
 
 
 def _merged(results: list[dict]) -> dict:
@@ -1046,11 +1051,12 @@ def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tenso
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
     checked = {name: entry for name, entry in models.items() if name != "none"}
     diffs = _diffs_from_default(initial, checked)
+    nodes = _node_count()
     rows = []
     for name, (model, describe) in models.items():
         row = {
             "world_size": dist.get_world_size(),
-            "nodes": _node_count(),
+            "nodes": nodes,
             "hook": name,
             "describe": describe,
             "params": sum(p.numel() for p in initial.parameters()),
