@@ -1,5 +1,12 @@
 """basic.py with checkpoints: one rank writes, every rank reads, a resumed run continues exactly.
 
+By default a run does DDP's checkpoint cycle halfway through training: rank 0 saves, every rank
+waits, every rank loads the checkpoint with its own map_location into its model and checks (and
+prints) that the loaded weights are the ones saved, and training goes on. The checkpoint goes to a
+temporary directory, removed at the end; --output_dir keeps it there instead (across machines,
+give a directory every machine sees). --checkpointing_steps N repeats the cycle every N steps
+(0: never).
+
 A checkpoint is a plain dict: the model's state from the unwrapped model (keys without DDP's
 "module." prefix, so it loads with or without DDP), the optimizer's state, the number of steps done
 and the arguments. Rank 0 writes it to a temporary file and renames that over
@@ -16,6 +23,7 @@ an uninterrupted one and ends with bit-identical weights: compare the "parameter
 
 Launch from the repository root (every launch of basic.py works here too):
 
+    accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py \\
         --output_dir /tmp/ddpx_ckpt --steps 50 --checkpointing_steps 25
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py \\
@@ -26,9 +34,12 @@ Launch from the repository root (every launch of basic.py works here too):
 
 import hashlib
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import broadcast_object_list
 
 from ddpx.models import ToyModel
 from ddpx.training import (
@@ -72,25 +83,41 @@ def save_checkpoint(accelerator, model, optimizer, progress, args):
         os.makedirs(args.output_dir, exist_ok=True)
         torch.save(checkpoint, path + ".tmp")
         os.replace(path + ".tmp", path)
+    accelerator.print(f"saved checkpoint after step {progress.step}")
     accelerator.wait_for_everyone()
 
 
-def load_checkpoint(accelerator, model, optimizer, progress, args):
-    """Restore model, optimizer and progress on every rank; returns the path loaded."""
-    path = args.resume_from_checkpoint
-    if path == "latest":
-        name = ACCELERATE_STATE if args.use_accelerate_state else CHECKPOINT
-        path = os.path.join(args.output_dir, name)
+def latest_checkpoint(args):
+    return os.path.join(args.output_dir,
+                        ACCELERATE_STATE if args.use_accelerate_state else CHECKPOINT)
+
+
+def load_checkpoint(accelerator, model, optimizer, progress, args, path):
+    """Restore model, optimizer and progress from `path` on every rank; returns how it loaded."""
     if args.use_accelerate_state:
         accelerator.load_state(path)
-    else:
-        # torch.load cannot map to "cpu:N", which is what accelerator.device is on CPU ranks.
-        map_location = "cpu" if accelerator.device.type == "cpu" else accelerator.device
-        checkpoint = torch.load(path, map_location=map_location)
-        accelerator.unwrap_model(model).load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        progress.step = checkpoint["step"]
-    return path
+        return "Accelerate's load_state"
+    # torch.load cannot map to "cpu:N", which is what accelerator.device is on CPU ranks.
+    map_location = "cpu" if accelerator.device.type == "cpu" else accelerator.device
+    checkpoint = torch.load(path, map_location=map_location)
+    accelerator.unwrap_model(model).load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    progress.step = checkpoint["step"]
+    return f"map_location={map_location}"
+
+
+def reload_and_check(accelerator, model, optimizer, progress, args):
+    """After a save: every rank loads the checkpoint into its model and checks that the loaded
+    weights are the saved ones, which are the weights it holds (DDP keeps every rank's equal)."""
+    saved, step = parameter_digest(model), progress.step
+    how = load_checkpoint(accelerator, model, optimizer, progress, args, latest_checkpoint(args))
+    loaded = parameter_digest(model)
+    if (loaded, progress.step) != (saved, step):
+        raise RuntimeError(f"rank {accelerator.process_index}: the checkpoint loaded back holds "
+                           f"step {progress.step}, digest {loaded}, not the saved step {step}, "
+                           f"digest {saved}")
+    print(f"rank {accelerator.process_index}: loaded the step-{step} checkpoint ({how}): "
+          f"weights equal to the saved ones (digest {loaded})", flush=True)
 
 
 def parameter_digest(model):
@@ -112,8 +139,14 @@ def train(accelerator, args):
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if args.resume_from_checkpoint:
-        path = load_checkpoint(accelerator, model, optimizer, progress, args)
+        path = args.resume_from_checkpoint
+        if path == "latest":
+            path = latest_checkpoint(args)
+        load_checkpoint(accelerator, model, optimizer, progress, args, path)
         accelerator.print(f"resumed from {path} after step {progress.step}")
+    every = args.checkpointing_steps
+    if every is None:
+        every = max(1, args.steps // 2)
 
     mean_loss = float("nan")  # stays nan when the checkpoint had no steps left to run
     for step in range(progress.step, args.steps):
@@ -126,25 +159,39 @@ def train(accelerator, args):
             mean_loss = accelerator.reduce(loss.detach(), "mean").item()
             accelerator.print(f"step {step:4d}  loss {mean_loss:.6f}")
         progress.step = step + 1
-        if args.checkpointing_steps and progress.step % args.checkpointing_steps == 0:
+        if every and progress.step % every == 0:
             save_checkpoint(accelerator, model, optimizer, progress, args)
-            accelerator.print(f"saved checkpoint after step {progress.step}")
+            reload_and_check(accelerator, model, optimizer, progress, args)
     accelerator.print(f"final loss {mean_loss:.6f}")
     accelerator.print(f"parameter digest {parameter_digest(model)}")
 
 
 def main():
     parser = make_parser(__doc__)
-    parser.add_argument("--output_dir", default="checkpoints", help="where checkpoints go")
-    parser.add_argument("--checkpointing_steps", type=int, default=0,
-                        help="save every N steps (0: never)")
+    parser.add_argument("--output_dir", help="where checkpoints go and stay (default: a "
+                        "temporary directory, removed at the end)")
+    parser.add_argument("--checkpointing_steps", type=int,
+                        help="save, load back and check every N steps (default: half the steps; "
+                        "0: never)")
     parser.add_argument("--resume_from_checkpoint",
                         help='a checkpoint path, or "latest": the one in --output_dir')
     parser.add_argument("--use_accelerate_state", action="store_true",
                         help="save and load with Accelerate's save_state/load_state")
     args = parser.parse_args()
+    temporary = args.output_dir is None
+    if temporary and args.resume_from_checkpoint == "latest":
+        parser.error("--resume_from_checkpoint latest needs the --output_dir it is in")
     accelerator = make_accelerator(args)
-    train(accelerator, args)
+    if temporary:
+        made = tempfile.mkdtemp(prefix="ddpx-checkpoint-") if accelerator.is_main_process else None
+        args.output_dir = broadcast_object_list([made])[0]
+    try:
+        train(accelerator, args)
+        accelerator.wait_for_everyone()  # every rank has read the last checkpoint
+    finally:
+        if temporary and accelerator.is_main_process:
+            shutil.rmtree(args.output_dir, ignore_errors=True)
+            print(f"removed the temporary checkpoint directory {args.output_dir}", flush=True)
     shutdown(accelerator)
 
 

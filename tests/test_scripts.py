@@ -107,6 +107,28 @@ def test_model_parallel():
     assert "model split: net1 on cpu, net2 on cpu" in stdout
 
 
+def test_checkpoint_cycle_by_default():
+    """With no flags: halfway and at the end, rank 0 saves, every rank loads the checkpoint back
+    with its map_location and finds the weights it saved; the temporary directory is gone after."""
+    stdout = accelerate_launch("checkpoint.py")
+    check_training(stdout, 2, COMM_PATHS["ddpx"])
+    for step in (STEPS // 2, STEPS):
+        assert f"saved checkpoint after step {step}" in stdout
+        for rank in range(2):
+            assert re.search(rf"^rank {rank}: loaded the step-{step} checkpoint \(map_location=cpu"
+                             r"\): weights equal to the saved ones", stdout, re.MULTILINE), stdout
+    directory = re.search(r"^removed the temporary checkpoint directory (\S+)$", stdout,
+                          re.MULTILINE).group(1)
+    assert not Path(directory).exists()
+
+
+def test_resuming_the_latest_checkpoint_needs_its_directory():
+    result = subprocess.run([sys.executable, SCRIPTS / "checkpoint.py", "--resume_from_checkpoint",
+                             "latest"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 2
+    assert "--resume_from_checkpoint latest needs the --output_dir it is in" in result.stderr
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The final loss and parameter digest of checkpoint.py run for all steps at once."""
