@@ -2,6 +2,9 @@
 
 import argparse
 import gc
+import os
+import shlex
+import sys
 
 import numpy as np
 import torch
@@ -61,16 +64,25 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     """Register the comm hook `name` ("ddpx", "default" or "fp16") on a DDP model.
 
     Returns a line naming the communication path in use. A model that is not wrapped in DDP (one
-    process: Accelerate does not wrap it) exchanges no gradients and gets no hook.
+    process: Accelerate does not wrap it) exchanges no gradients and gets no hook; the line then
+    gives the command that runs this script on two CPU processes.
     """
     if not isinstance(model, DistributedDataParallel):
-        return "none (1 process: no DDP wrapper, no gradients to exchange)"
+        return ("none (1 process: no DDP wrapper, no gradients to exchange); "
+                f"2 CPU processes: {_two_process_command()}")
     if name == "ddpx":
         return ddpx.register_fused_hook(model).describe()
     if name == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
         return "torch fp16_compress_hook"
     return f"DDP default all-reduce ({dist.get_backend()})"
+
+
+def _two_process_command() -> str:
+    """This command line as `accelerate launch` on two CPU processes (scripts/configs/cpu.yaml)."""
+    script = sys.argv[0]
+    config = os.path.join(os.path.dirname(script), "configs", "cpu.yaml")
+    return shlex.join(["accelerate", "launch", "--config_file", config, script, *sys.argv[1:]])
 
 
 def random_batch(

@@ -6,6 +6,7 @@ once), so they take the same path as a user on a CPU machine.
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ COMM_PATHS = {
 }
 
 
-def run(command: list[str]) -> str:
+def run(command: list[str], env: dict | None = None) -> str:
     """Run `command` from the repository root; its stdout, after checking it exited cleanly.
 
     The command gets its own process group, so a hang kills the launcher and all its ranks.
@@ -46,6 +47,7 @@ def run(command: list[str]) -> str:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env=env,
     ) as process:
         try:
             stdout, stderr = process.communicate(timeout=TIMEOUT_S)
@@ -99,6 +101,22 @@ def test_basic_torchrun():
 def test_single_process(script):
     stdout = run([sys.executable, SCRIPTS / script, "--steps", STEPS])
     check_training(stdout, 1, "comm path: none (1 process")
+
+
+def test_one_process_gives_the_command_for_two(tmp_path):
+    """`accelerate launch scripts/basic.py` with no Accelerate config runs one process; its comm
+    path line gives the command for two CPU processes, which runs two."""
+    no_config = dict(os.environ, HF_HOME=str(tmp_path))  # where Accelerate's default config is
+    stdout = run([sys.executable, "-m", "accelerate.commands.launch", SCRIPTS / "basic.py",
+                  "--steps", STEPS], env=no_config)
+    command = re.search(r"^comm path: none \(1 process.*; 2 CPU processes: (.+)$", stdout,
+                        re.MULTILINE).group(1)
+    assert command == (f"accelerate launch --config_file {SCRIPTS / 'configs' / 'cpu.yaml'} "
+                       f"{SCRIPTS / 'basic.py'} --steps {STEPS}")
+    launcher, *arguments = shlex.split(command)[1:]
+    assert launcher == "launch"
+    check_training(run([sys.executable, "-m", "accelerate.commands.launch", *arguments]), 2,
+                   COMM_PATHS["ddpx"])
 
 
 def test_model_parallel():
