@@ -134,12 +134,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group"), py::arg("reason"));
 
   m.def("register_fused_hook",
-        [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine, double scale,
+        [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
+           c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,
            std::optional<at::ScalarType> wire) {
-          reducer.register_comm_hook(
-              std::make_unique<FusedHook>(FusedHookConfig{std::move(engine), scale, wire}));
+          reducer.register_comm_hook(std::make_unique<FusedHook>(
+              FusedHookConfig{std::move(engine), std::move(group), scale, wire}));
         },
-        py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"));
+        py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"),
+        py::arg("wire"));
+  m.def("invalid_input",
+        [](const at::Tensor& tensor, std::optional<at::ScalarType> wire, std::string what,
+           const std::string& device) {
+          return invalid_input(tensor, Request{1.0, wire, std::move(what)},
+                               c10::Device(device).type());
+        },
+        py::arg("tensor"), py::arg("wire"), py::arg("what"), py::arg("device"));
 
   m.def("kernel_isa", [] { return std::string(kernels().isa); });
   m.def("kernel_pack", [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa,

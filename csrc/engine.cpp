@@ -375,7 +375,8 @@ std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).fir
 std::string invalid_input(const at::Tensor& tensor, const Request& request,
                           c10::DeviceType device) {
   // The common case, valid and uncompressed, returns before a message is built.
-  if (tensor.defined() && tensor.device().type() == device && tensor.is_contiguous() &&
+  if (tensor.defined() && tensor.layout() == at::kStrided && tensor.device().type() == device &&
+      tensor.is_contiguous() &&
       to_dtype(tensor.scalar_type()) && (!request.wire || *request.wire == tensor.scalar_type())) {
     return {};
   }
@@ -383,6 +384,11 @@ std::string invalid_input(const at::Tensor& tensor, const Request& request,
   std::ostringstream why;
   if (!tensor.defined()) {
     why << "ddpx: " << request.what << " got an undefined tensor";
+  } else if (tensor.layout() != at::kStrided) {
+    why << "ddpx: " << request.what << " is a " << tensor.layout()
+        << " tensor; ddpx's engines reduce dense (strided) tensors: reduce it with "
+           "torch.distributed.all_reduce"
+        << (tensor.is_sparse() ? " (ddpx.all_reduce does for a sparse COO tensor)" : "");
   } else if (tensor.device().type() != device) {
     why << "ddpx: the " << (cpu ? "shared-memory engine reduces CPU" : "CUDA engine reduces CUDA")
         << " tensors, " << request.what << " is on " << tensor.device()

@@ -1,6 +1,7 @@
 // The DDP communication hook in C++: DDP hands it each gradient bucket on the autograd thread,
 // it queues the bucket on the engine and returns the engine's future at once, so backward keeps
-// computing while the bucket is reduced. No Python and no GIL on this path.
+// computing while the bucket is reduced. No Python and no GIL on this path. A sparse gradient
+// (DDP gives each its own bucket) is averaged by the process group, as DDP's default does.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -14,6 +15,7 @@ namespace ddpx {
 
 struct FusedHookConfig {
   std::shared_ptr<Engine> engine;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;  // the model's: sparse buckets go through it
   double scale;                        // 1 / world size: DDP averages gradients
   std::optional<at::ScalarType> wire;  // compression dtype, or none
 };
@@ -23,6 +25,10 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
   using c10d::CppCommHookInterface<FusedHookConfig>::CppCommHookInterface;
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    if (bucket.getBufferRef().is_sparse()) {
+      return scaled_allreduce(*state_.group, bucket.getBufferRef(), state_.scale,
+                              /*premul_sum=*/false);
+    }
     Request request{state_.scale, state_.wire, "gradient bucket " + std::to_string(bucket.getIndex())};
     return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
   }

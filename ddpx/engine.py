@@ -288,7 +288,8 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     Blocking, and collective: every rank of the group calls it with the same size and dtype.
     float32, float64, bfloat16 and float16 are summed in float32 (float64 in float64), in rank
     order, so every rank gets the same bits. ``compression="bf16"`` or ``"fp16"`` sends float32
-    data in that dtype and still sums in float32.
+    data in that dtype and still sums in float32. A sparse COO tensor is summed by the process
+    group (uncompressed), as torch.distributed.all_reduce would.
 
     Example::
         >>> t = torch.full((4,), float(dist.get_rank()))
@@ -298,6 +299,11 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
         raise TypeError(f"ddpx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
     # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
     pg = group if group is not None else _world.default_pg
+    if tensor.is_sparse:
+        if compression is not None:
+            raise ValueError("ddpx: a sparse tensor is summed by the process group in its own "
+                             "dtype; call ddpx.all_reduce on it without compression")
+        return sparse_all_reduce(tensor, pg, 1.0 / pg.size() if average else 1.0).wait()
     # tensor.device builds a torch.device (0.7 us); is_cpu does not.
     device = "cpu" if tensor.is_cpu else tensor.device.type
     try:
@@ -308,3 +314,13 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     wire = None if compression is None else wire_dtype(compression)
     engine.run(tensor, scale, wire, "ddpx.all_reduce")
     return tensor
+
+
+def sparse_all_reduce(tensor: torch.Tensor, group, scale: float) -> torch.futures.Future:
+    """Starts the sum of the sparse COO ``tensor``, scaled by ``scale``, over ``group`` in place
+    through the process group (gloo sums sparse tensors; ddpx's engines reduce dense ones, and
+    DDP's default sends sparse gradients the same way); the future holds ``tensor``."""
+    if scale != 1.0:
+        tensor.mul_(scale)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda _: tensor)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx._ext import extension
-from ddpx.engine import engine_for, wire_dtype
+from ddpx.engine import engine_for, sparse_all_reduce, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -41,11 +41,14 @@ def fused_allreduce_hook(
     1/world_size scale (and the cast, with compression) is fused into the copy to shared memory
     (CPU buckets) or into the collective and its kernels (CUDA buckets), and the sum is
     accumulated in float32. Returns at once; the future completes when the bucket is reduced.
+    A sparse gradient's bucket is averaged by the process group, uncompressed.
 
     Example::
         >>> state = ddpx.FusedHookState(process_group=None)
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
+    if bucket.buffer().is_sparse:
+        return sparse_all_reduce(bucket.buffer(), state.process_group, state.scale)
     future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
                                     f"gradient bucket {bucket.index()}")
     # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
@@ -75,7 +78,25 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     if len(devices) != 1:
         raise ValueError(f"ddpx: the model's trainable parameters are on {sorted(devices)}; "
                          "DDP buckets must all be on one device type")
-    state = FusedHookState(group, compression, device=devices.pop(), timeout=timeout)
-    extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire)
+    device = devices.pop()
+    wire = wire_dtype(compression)
+    for name, parameter in _dense_gradients(ddp_model).items():  # a bucket has their dtype
+        why = extension().invalid_input(torch.empty(0, dtype=parameter.dtype, device=device),
+                                        wire, f"parameter {name}", device)
+        if why:
+            raise ValueError(why)
+    state = FusedHookState(group, compression, device=device, timeout=timeout)
+    extension().register_fused_hook(ddp_model.reducer, state.engine, state.process_group,
+                                    state.scale, state.wire)
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
     return state
+
+
+def _dense_gradients(ddp_model: DistributedDataParallel) -> dict[str, torch.nn.Parameter]:
+    """The trainable parameters whose gradients are dense: all but those of the embeddings with
+    sparse=True, which DDP puts in buckets of their own (sparse buckets)."""
+    sparse = {id(parameter) for module in ddp_model.module.modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse
+              for parameter in module.parameters(recurse=False)}
+    return {name: parameter for name, parameter in ddp_model.module.named_parameters()
+            if parameter.requires_grad and id(parameter) not in sparse}

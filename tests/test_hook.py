@@ -122,3 +122,135 @@ def registration_errors(rank, world):
 
 def test_registration_errors():
     run_ranks(registration_errors, 2)
+
+
+class SparseNet(nn.Module):
+    """An embedding with sparse gradients (DDP gives it a bucket of its own) beside dense layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Embedding(50, 16, sparse=True)
+        self.head = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids).mean(dim=1))
+
+
+def train_sparse(rank, hook, compression=None):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    torch.manual_seed(0)
+    net = SparseNet()
+    model = DDP(net)
+    if hook == "cpp":
+        ddpx.register_fused_hook(model, compression=compression)
+    elif hook == "python":
+        model.register_comm_hook(ddpx.FusedHookState(compression=compression),
+                                 ddpx.fused_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    first_grads = None
+    for _ in range(STEPS):
+        ids = torch.randint(0, 50, (8, 5), generator=data)
+        nn.functional.mse_loss(model(ids), torch.randn(8, 4, generator=data)).backward()
+        if first_grads is None:
+            first_grads = [p.grad.to_dense() for p in net.parameters()]
+            assert net.embedding.weight.grad.is_sparse
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    return first_grads, [p.detach().clone() for p in net.parameters()]
+
+
+def compare_sparse(rank, world):
+    return {(hook, compression): train_sparse(rank, hook, compression)
+            for hook, compression in [("default", None), ("cpp", None), ("python", None),
+                                      ("cpp", "bf16")]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sparse_gradients_train_as_with_the_default(world):
+    """Sparse buckets go through the process group, dense ones through the engine: the same
+    gradients and parameters as DDP's default (tolerance as in assert_matches_default), the same
+    bits on every rank. With bf16 the sparse bucket still travels uncompressed: its gradient is
+    the default's, and the dense ones are within bf16's rounding."""
+    runs = run_ranks(compare_sparse, world)
+    ref_grads, ref_params = runs[0][("default", None)]
+    for (hook, compression), (grads, params) in runs[0].items():
+        dense_tolerance = {"rtol": 1e-5, "atol": 1e-6} if compression is None else \
+            {"rtol": 2 * 2.0**-8, "atol": 1e-3}
+        for index, (g, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+            tolerance = {"rtol": 1e-5, "atol": 1e-6} if index == 0 else dense_tolerance
+            torch.testing.assert_close(g, ref, **tolerance,
+                                       msg=f"{hook}/{compression} grad {index}")
+        if compression is None:
+            for p, ref in zip(params, ref_params, strict=True):
+                torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=f"{hook} params")
+        for other in runs[1:]:
+            for p, q in zip(params, other[(hook, compression)][1], strict=True):
+                assert torch.equal(p, q), f"{hook}/{compression}: ranks hold different parameters"
+
+
+def sparse_all_reduce(rank, world):
+    import torch.distributed as dist
+
+    import ddpx
+
+    def sparse_input():
+        indices = torch.tensor([[rank, 5, 7]])
+        return torch.sparse_coo_tensor(indices, torch.tensor([1.0, 2.0, 3.0]) * (rank + 1), (10,))
+
+    reference = sparse_input()
+    dist.all_reduce(reference)
+    summed = ddpx.all_reduce(sparse_input())
+    averaged = ddpx.all_reduce(sparse_input(), average=True)
+    torch.testing.assert_close(summed.to_dense(), reference.to_dense(), rtol=0, atol=0)
+    torch.testing.assert_close(averaged.to_dense(), reference.to_dense() / world)
+    with pytest.raises(ValueError, match="sparse tensor .* without compression"):
+        ddpx.all_reduce(sparse_input(), compression="bf16")
+    with pytest.raises(ValueError, match="is a SparseCsr tensor; .*torch.distributed.all_reduce"):
+        ddpx.all_reduce(torch.eye(3).to_sparse_csr())
+    dense = torch.full((4,), float(rank))
+    ddpx.all_reduce(dense)  # still in step after the refusals
+    assert torch.equal(dense, torch.full((4,), float(sum(range(world)))))
+
+
+def test_sparse_all_reduce_equals_the_process_groups():
+    run_ranks(sparse_all_reduce, 2)
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.single = nn.Linear(4, 4)
+        self.wide = nn.Linear(4, 2).double()
+
+    def forward(self, x):
+        return self.wide(self.single(x).double())
+
+
+def refused_at_registration(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    torch.manual_seed(0)
+    model = DDP(TwoDtypes())
+    refusal = (r"parameter wide\.weight is float64 and cannot travel as bfloat16; "
+               r"compress float32/bfloat16/float16 data only")
+    with pytest.raises(ValueError, match=refusal):
+        ddpx.register_fused_hook(model, compression="bf16")
+    ddpx.register_fused_hook(model)  # nothing was half registered: uncompressed, it trains
+    model(torch.full((3, 4), float(rank))).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_input_refused_at_registration_not_at_backward():
+    """A float64 parameter with compression="bf16" is refused by register_fused_hook on every
+    rank, before any collective; the same model then registers uncompressed and its gradients
+    are the same on every rank."""
+    first, second = run_ranks(refused_at_registration, 2)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
