@@ -1,6 +1,8 @@
 """Builds ddpx and its extension ddpx._C against the torch that is installed.
 
-    pip install --no-build-isolation -e .
+    pip install -e .
+
+(pip's isolated build sees that torch through build_backend/ddpx_backend.py.)
 
 The CUDA kernels are compiled too where torch is a CUDA build and a CUDA toolkit is found
 (CUDA_HOME, else /usr/local/cuda); no GPU is needed to build them.
@@ -21,10 +23,9 @@ try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 except ImportError:
     sys.exit(
-        "ddpx: torch is not importable in this build environment. ddpx's extension must be "
-        "compiled against the torch that will run it, so install torch first and build without "
-        "isolation:\n"
-        "    pip install torch==2.13.0 && pip install --no-build-isolation -e ."
+        "ddpx: torch is not importable here. ddpx's extension is compiled against the torch that "
+        "will run it: install torch first, e.g.\n"
+        "    pip install torch==2.13.0 ninja && pip install -e ."
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,9 +56,9 @@ def get_extensions():
 
 
 setup(
-    packages=["ddpx", "ddpx.csrc"],
+    packages=["ddpx", "ddpx.csrc", "ddpx.csrc.cuda"],
     package_dir={"ddpx.csrc": "csrc"},
-    package_data={"ddpx.csrc": ["*.h", "*.cpp", "cuda/*.h", "cuda/*.cpp", "cuda/*.cu"]},
+    package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
     ext_modules=get_extensions(),
     cmdclass={"build_ext": BuildExtension},
 )

@@ -28,7 +28,7 @@ def _source_dir() -> Path:
             return candidate
     raise ImportError(
         "ddpx: the extension ddpx._C is not built and its C++ sources are not installed either; "
-        "reinstall ddpx with `pip install --no-build-isolation .` from a source checkout"
+        "reinstall ddpx with `pip install .` from a source checkout"
     )
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ddpx
@@ -96,14 +97,67 @@ def test_missing_compiler_names_what_to_install(tmp_path):
     assert "C++17 compiler" in result.stderr and "apt-get install g++" in result.stderr
 
 
-def test_isolated_build_says_to_turn_isolation_off(tmp_path):
-    """A plain `pip install .` builds in an isolated environment without torch: it must stop
-    with the command that works, not with an import error."""
+def source_checkout(tmp_path: Path) -> Path:
+    """What a fresh clone holds (tracked and new files, no build outputs), copied to tmp_path."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    checkout = tmp_path / "ddpx-src"
+    for name in listed:
+        if (ROOT / name).is_file():
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, checkout / name)
+    return checkout
+
+
+def test_plain_install_without_torch_says_what_to_install(tmp_path):
+    """`pip install -e .` into an environment without torch stops before compiling, naming what
+    to install; an isolated build never fetches a torch of its own to compile against."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     result = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "--no-deps", "-e", str(ROOT)],
+         "--no-deps", "-e", str(source_checkout(tmp_path))],
         capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "pip install --no-build-isolation -e ." in result.stdout + result.stderr
+    assert f"{venv / 'bin' / 'python'} cannot import one" in output
+    assert "pip install torch==2.13.0 ninja && pip install -e ." in output
+    assert not list(venv.glob("lib/python*/site-packages/torch"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["editable", "regular", "wheel"])
+def test_plain_pip_builds_against_the_installed_torch(tmp_path, how):
+    """The plain commands, no flag, in a fresh environment holding the pinned torch and ninja:
+    ddpx._C is compiled there (isolated from it) against that torch, and is the prebuilt one
+    `import ddpx` loads. Minutes: it compiles the extension."""
+    venv = tmp_path / "venv"
+    python = str(venv / "bin" / "python")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [python, "-m", "pip"]
+    subprocess.run([*pip, "install", "-q", f"torch=={torch.__version__.split('+')[0]}", "ninja"],
+                   check=True, timeout=600)
+    site_packages = next(venv.glob("lib/python*/site-packages"))
+    checkout = source_checkout(tmp_path)
+    command = {"editable": ["install", "--no-deps", "-e"], "regular": ["install", "--no-deps"],
+               "wheel": ["wheel", "--no-deps", "-w", str(tmp_path / "wheels")]}[how]
+    build = subprocess.run([*pip, "-v", *command, str(checkout)],
+                           capture_output=True, text=True, cwd=tmp_path, timeout=1200)
+    log = build.stdout + build.stderr
+    assert build.returncode == 0, log
+    assert f"ddpx: building against torch {torch.__version__} at {site_packages / 'torch'}" in log
+    assert "Collecting torch" not in log and "Downloading torch" not in log
+    if how == "wheel":
+        wheels = list((tmp_path / "wheels").glob("ddpx-*.whl"))
+        assert len(wheels) == 1
+        subprocess.run([*pip, "install", "-q", "--no-deps", str(wheels[0])], check=True,
+                       timeout=300)
+    info = subprocess.run([python, "-c", "import json, ddpx, torch; "
+                           "print(json.dumps([ddpx.build_info(), torch.__version__]))"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert info.returncode == 0, info.stderr
+    build_info, installed_torch = json.loads(info.stdout)
+    assert build_info["loaded"] == "prebuilt"
+    assert build_info["torch_version"] == installed_torch == torch.__version__
+    expected_home = checkout if how == "editable" else venv
+    assert Path(build_info["path"]).is_relative_to(expected_home)
