@@ -3,7 +3,7 @@ bytes each node must send, against the node's own work (reduce-scatter, casts, s
 which the chunked pipeline overlaps with the link except for the first chunk's trip.
 
 Every time is in milliseconds and every rate in bits per second. ``node_ms`` is measured, not
-modelled: the time the same all-reduce takes with nothing limiting the link (bench.py's
+modelled: the time the same all-reduce takes with nothing limiting the link (ddpx-bench's
 ``--link none`` row of the same engine and size), which on one machine includes every node's
 work and the TCP copies on the same cores. The model is checked against the testbed in the
 README ("Across a network"), and predicts larger jobs there.

@@ -35,7 +35,7 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            gc.collect()  # see scripts/bench.py's _run_rank: the group must end before exit
+            gc.collect()  # see ddpx/bench/launch.py's _run_rank: the group must end before exit
             dist.destroy_process_group()
 
 

@@ -1,9 +1,11 @@
-"""Smoke test of scripts/bench.py: every mode end to end on 2 spawned ranks (accuracy: 2 and 3),
-tiny sizes; the peers (mpi, deepspeed) where installed; the --load processes, which end with it.
+"""Smoke test of the benchmark, ddpx-bench (ddpx.bench): every mode end to end on 2 spawned ranks
+(accuracy: 2 and 3), tiny sizes; the peers (mpi, deepspeed) where installed; the --load processes,
+which end with it; its console entry.
 
 It checks what the benchmark reports and writes, never how fast anything is.
 """
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = [sys.executable, "-m", "ddpx.bench"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "rows", "left_out"}
 MACHINE_KEYS = {"cpu", "cores", "threads_per_rank", "torch", "ddpx"}
@@ -79,9 +82,9 @@ def ddpx_built() -> bool:
 
 
 def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict, str]:
-    """Run bench.py on `world_sizes` ranks as a user would; return its JSON document and stdout."""
+    """Run ddpx-bench on `world_sizes` ranks as a user would; its JSON document and stdout."""
     json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
-    command = [sys.executable, str(BENCH), *args, "--world_sizes", world_sizes]
+    command = [*BENCH, *args, "--world_sizes", world_sizes]
     command += ["--json", str(json_path), "--plot", str(png_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -169,15 +172,15 @@ def test_load_runs_one_process_per_core_and_ends_with_the_run(tmp_path):
     cores = len(os.sched_getaffinity(0))
     pids = document["settings"]["load_pids"]
     assert document["settings"]["load"] == 1 and len(pids) == len(set(pids)) == cores
-    assert still_alive(pids, seconds=0) == []  # bench.py stopped them before it exited
+    assert still_alive(pids, seconds=0) == []  # ddpx-bench stopped them before it exited
     assert f"load: 1 CPU-bound process per core ({cores} in all)" in stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_load_and_ranks_die_with_a_killed_bench(tmp_path):
-    command = [sys.executable, str(BENCH), "allreduce", "--world_sizes", "2", "--sizes", "4K",
+    command = [*BENCH, "allreduce", "--world_sizes", "2", "--sizes", "4K",
                "--engines", "gloo", "--iters", "50", "--min_time", "60", "--load", "1"]
-    # A killed bench.py cannot remove its temporary folder: have it made in tmp_path.
+    # A killed ddpx-bench cannot remove its temporary folder: have it made in tmp_path.
     bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
@@ -255,14 +258,36 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
 
 
 @pytest.mark.parametrize("options, message", [
-    ("--world_sizes 4 --nodes 3", "--nodes 3 does not divide world size 4 evenly"),
-    ("--link 1gbit --load 1", "--load with --link"),
+    ("--world_sizes 4 --nodes 3", "ddpx-bench: --nodes 3 does not divide world size 4 evenly"),
+    ("--link 1gbit --load 1", "ddpx-bench: --load with --link"),
 ])
 def test_options_that_cannot_run_together_are_refused(options, message):
-    done = subprocess.run([sys.executable, str(BENCH), "allreduce", *options.split()],
+    done = subprocess.run([*BENCH, "allreduce", *options.split()],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert message in done.stderr
+
+
+def test_help_lists_the_three_modes():
+    done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: ddpx-bench ")
+    assert "{allreduce,train,accuracy}" in done.stdout
+    for mode in ("allreduce", "train", "accuracy"):
+        assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
+
+
+def test_the_console_entry_is_the_clis_main():
+    """pyproject.toml's `ddpx-bench` entry, and the installed one where ddpx is installed, run
+    ddpx.bench.cli's main."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from ddpx.bench import cli
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, name = scripts["ddpx-bench"].partition(":")
+    assert getattr(importlib.import_module(module), name) is cli.main
+    for entry in importlib.metadata.entry_points(group="console_scripts", name="ddpx-bench"):
+        assert entry.load() is cli.main
 
 
 def test_train(tmp_path):

@@ -2,32 +2,21 @@
 outside the job on every core): what each wait did, from the engine's own counts and the kernel's
 count of the thread's context switches, never from timings."""
 
-import importlib.util
 import os
 import resource
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from distributed import run_ranks
 
-BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 CPUS = len(os.sched_getaffinity(0))
 # A sleeper checks its peers every 100 ms (csrc/shm_allreduce.cpp, kPoll), and a yield that gave
 # the CPU away bans yielding for at least 100 ms (kFirstYieldBan).
 POLL_S = BAN_S = 0.1
 # (elements, calls): one-shot single-block calls, and 25 MB two-phase calls of 100 blocks.
 CALLS = [(16 * 1024, 300), (25 * 1024 * 1024 // 4, 4)]
-
-
-def _bench_module():
-    """scripts/bench.py as a module: its CPU load is the one these tests run under."""
-    spec = importlib.util.spec_from_file_location("bench", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def _running(pid: int) -> bool:
@@ -40,8 +29,13 @@ def _running(pid: int) -> bool:
 
 @pytest.fixture
 def busy_machine():
-    """One CPU-bound process pinned to each core for the test, gone after it."""
-    with _bench_module()._cpu_load(1) as pids:
+    """One CPU-bound process pinned to each core for the test, gone after it: the benchmark's
+    --load 1."""
+    # Not imported at the top: the ranks import this module before run_ranks sets their
+    # environment, and ddpx reads its settings (DDPX_BLOCK_KB) when it is imported.
+    from ddpx.bench.launch import cpu_load
+
+    with cpu_load(1) as pids:
         time.sleep(0.2)
         assert all(_running(pid) for pid in pids)
         yield len(pids)

@@ -1,0 +1,2 @@
+"""ddpx's benchmark, the command `ddpx-bench` (or `python -m ddpx.bench`): ddpx against gloo and
+the other CPU all-reduces on this machine. Its modes and options: ddpx.bench.cli."""

@@ -1,0 +1,96 @@
+"""What the benchmark's modules share: the peers, the dtype each engine, hook and method sends
+in, and the helpers that the ranks of every mode run alike."""
+
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+# The other projects' CPU all-reduces, which "x vs best peer" reads every engine against.
+PEERS = ("gloo", "mpi", "deepspeed")
+WIRE = {
+    "gloo": None,
+    "mpi": None,
+    "deepspeed": None,
+    "copy": None,
+    "ddpx": None,
+    "ddpx-fp16": "fp16",
+    "ddpx-bf16": "bf16",
+    "default": None,
+    "none": None,
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "torch-fp16": "fp16",
+    "torch-bf16": "bf16",
+}
+UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+THREADS_PER_RANK = 1
+# Set by ddpx-bench for the ranks it starts with mpirun: their temporary folder (the FileStore's).
+MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def progress(message: str) -> None:
+    if dist.get_rank() == 0:
+        say(message)
+
+
+def node_count() -> int:
+    """How many nodes the ranks are on, by the launcher's GROUP_RANK as ddpx finds them."""
+    group_ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(group_ranks, os.environ.get("GROUP_RANK", "0"))
+    return len(set(group_ranks))
+
+
+def add_if_it_works(
+    engines: dict, name: str, engine, left_out: dict, fails=(NotImplementedError,)
+) -> None:
+    """Add `engine` to `engines` if it reduces a small tensor here; else say why in `left_out`.
+
+    `fails`: what it raises where it cannot work (NotImplementedError: a ddpx compression not built
+    yet). Every rank probes alike, so they agree on what is left out.
+    """
+    try:
+        engine(torch.ones(8))
+    except fails as exc:
+        left_out[name] = str(exc).splitlines()[0]
+        return
+    engines[name] = engine
+
+
+def random_input(seed: int, rank: int, numel: int, normal: bool = False) -> torch.Tensor:
+    """Rank `rank`'s input: uniform in [-1, 1), or standard normal."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    if normal:
+        return torch.randn(numel, generator=generator)
+    return torch.rand(numel, generator=generator) * 2 - 1
+
+
+def slowest_rank_stats(seconds: list[float]) -> dict:
+    samples = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    p10, median, p90 = torch.quantile(
+        samples * 1e3, torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    )
+    return {"median_ms": median.item(), "p10_ms": p10.item(), "p90_ms": p90.item()}
+
+
+def same_on_all_ranks(tensors) -> bool:
+    digest = hashlib.sha256()
+    for p in tensors:
+        digest.update(p.detach().numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest.hexdigest())
+    return len(set(digests)) == 1
+
+
+def format_size(size: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g}{unit}"
+    return f"{size}B"

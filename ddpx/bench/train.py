@@ -1,0 +1,157 @@
+"""`ddpx-bench train`: DDP training steps of one MLP per comm hook, taking turns step by step,
+timed on the slowest rank; the final parameters checked across ranks and against DDP's default."""
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpx
+from ddpx.bench.common import (
+    UNIT_ROUNDOFF,
+    WIRE,
+    node_count,
+    progress,
+    same_on_all_ranks,
+    slowest_rank_stats,
+)
+from ddpx.models import MLP
+
+COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "none")
+# How many roundings the final parameters of a hook may differ from the default hook's by.
+PARAM_TOLERANCE_ROUNDINGS = 64
+
+
+def bench_train(args) -> dict:
+    left_out, failures = {}, []
+    torch.manual_seed(args.seed)
+    initial = MLP.with_params(args.params)
+    models = _hooked_models(initial, args.comm_hooks, left_out)
+    optimizers = {
+        name: torch.optim.SGD(model.parameters(), lr=args.lr) for name, (model, _) in models.items()
+    }
+    batches = _train_batches(initial.width, args)
+    samples = {name: [] for name in models}
+    world_size, started = dist.get_world_size(), time.perf_counter()
+    for step in range(args.warmup + args.steps):
+        if step % 5 == 0:
+            elapsed = time.perf_counter() - started
+            progress(
+                f"world {world_size}: step {step + 1}/{args.warmup + args.steps} of each of "
+                f"{', '.join(models)}; {elapsed:.0f} s elapsed"
+            )
+        for name, (model, _) in models.items():
+            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
+            if step >= args.warmup:
+                samples[name].append(seconds)
+    rows = _train_rows(initial, models, samples, args, failures)
+    return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
+
+
+def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
+    """A DDP copy of `initial` per hook that works here: name -> (model, what its hook does)."""
+    models = {}
+    for name in hooks:
+        model = DDP(copy.deepcopy(initial))
+        try:
+            models[name] = model, _register_hook(name, model)
+        # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
+        # bf16_compress_hook without NCCL 2.10+ or XCCL.
+        except (NotImplementedError, TypeError) as exc:
+            left_out[name] = str(exc)
+    return models
+
+
+def _register_hook(name: str, model: DDP) -> str:
+    """Register the comm hook `name` on `model`; say what it does."""
+    if name == "default":
+        return "DDP's built-in all-reduce"
+    if name == "none":
+        model.register_comm_hook(None, _no_communication_hook)
+        return "no communication (the floor; timed, not checked)"
+    if name.startswith("ddpx"):
+        return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+    hook = getattr(default_hooks, f"{name}_compress_hook")
+    model.register_comm_hook(dist.group.WORLD, hook)
+    return f"torch {hook.__name__}"
+
+
+def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hands DDP the bucket as it is: each rank steps with its own gradients."""
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank())
+    return [torch.randn(args.batch_size, width, generator=generator) for _ in range(count)]
+
+
+def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    model(batch).square().mean().backward()
+    optimizer.step()
+    return time.perf_counter() - start
+
+
+def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
+    checked = {name: entry for name, entry in models.items() if name != "none"}
+    diffs = _diffs_from_default(initial, checked)
+    nodes = node_count()
+    rows = []
+    for name, (model, describe) in models.items():
+        row = {
+            "world_size": dist.get_world_size(),
+            "nodes": nodes,
+            "hook": name,
+            "describe": describe,
+            "params": sum(p.numel() for p in initial.parameters()),
+            "batch_size": args.batch_size,
+            "steps": args.warmup + args.steps,
+            **slowest_rank_stats(samples[name]),
+        }
+        rows.append(row)
+        if name not in checked:
+            continue
+        row["ranks_identical"] = same_on_all_ranks(model.module.parameters())
+        row.update(diffs.get(name, {}))
+        if not row["ranks_identical"]:
+            failures.append(f"{name}: parameters differ across ranks")
+        if diffs and not row["max_abs_diff"] <= row["tolerance"]:
+            failures.append(
+                f"{name}: parameters {row['max_abs_diff']:.3g} from default's, "
+                f"tolerance {row['tolerance']:.3g}"
+            )
+    default_ms = next((row["median_ms"] for row in rows if row["hook"] == "default"), None)
+    for row in rows:
+        row["x_vs_default"] = default_ms / row["median_ms"] if default_ms else None
+    return rows
+
+
+def _diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
+    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance."""
+    if "default" not in models:
+        return {}
+    default = models["default"][0].module
+    moved = _max_abs_diff(default, initial)
+    largest = max(p.abs().max().item() for p in default.parameters())
+    diffs = {}
+    for name, (model, _) in models.items():
+        # Gradients are rounded to the wire dtype, and updated parameters to float32.
+        rounding = UNIT_ROUNDOFF[WIRE[name]] * moved + UNIT_ROUNDOFF[None] * largest
+        diffs[name] = {
+            "max_abs_diff": _max_abs_diff(model.module, default),
+            "tolerance": PARAM_TOLERANCE_ROUNDINGS * rounding,
+        }
+    return diffs
+
+
+def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max((p - q).abs().max().item() for p, q in pairs)
