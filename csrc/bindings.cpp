@@ -89,6 +89,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         if (const auto* shm = dynamic_cast<const ShmEngine*>(&e)) return shm->bytes_across_nodes();
         return std::nullopt;
       })
+      .def_property(
+          "one_shot_bytes",
+          [](Engine& e) -> std::optional<size_t> {
+            if (auto* shm = dynamic_cast<ShmEngine*>(&e)) return shm->shm().one_shot_bytes();
+            return std::nullopt;
+          },
+          [](Engine& e, size_t bytes) {
+            auto* shm = dynamic_cast<ShmEngine*>(&e);
+            TORCH_CHECK(shm, "ddpx: only the shared-memory engine has a one-shot size");
+            shm->shm().set_one_shot_bytes(bytes);
+          })
       .def_property_readonly("wait_stats", [](const Engine& e) -> std::optional<py::dict> {
         const auto* shm = dynamic_cast<const ShmEngine*>(&e);
         if (!shm) return std::nullopt;

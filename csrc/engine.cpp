@@ -539,6 +539,7 @@ std::string ShmEngine::describe() const {
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
       << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
       << kernels().isa << " kernels";
+  if (!across_nodes_) out << ", one-shot up to " << (shm.one_shot_bytes() >> 10) << " KiB";
   if (across_nodes_) {
     out << ", hierarchical across " << across_nodes_->nodes() << " nodes through the process group";
   }

@@ -86,6 +86,7 @@ class ShmEngine final : public Engine {
   // an all-gather. Zero on a single node.
   uint64_t bytes_across_nodes() const;
   ShmAllreduce::WaitStats wait_stats() const { return queue_->shm->wait_stats(); }
+  ShmAllreduce& shm() { return *queue_->shm; }
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last

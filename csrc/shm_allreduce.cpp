@@ -504,7 +504,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const size_t acc_size = dtype_size(acc);
   const int64_t per_block = int64_t(layout_.block_bytes / wire_size);
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
-  const bool one_shot = !cross_node_ && size_t(numel) * wire_size <= one_shot_bytes_;
+  const bool one_shot = !cross_node_ && size_t(numel) * wire_size <= one_shot_bytes();
   const int n = layout_.nranks;
   // Results larger than the last-level cache go out with streaming stores.
   const Store out_store =

@@ -97,6 +97,12 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
+  // Messages of up to one_shot_bytes (in the wire dtype) are summed whole by every rank after one
+  // exchange; larger ones are reduce-scattered and all-gathered. Every rank of the node must set
+  // the same value, between calls.
+  size_t one_shot_bytes() const { return one_shot_bytes_.load(std::memory_order_relaxed); }
+  void set_one_shot_bytes(size_t bytes) { one_shot_bytes_.store(bytes, std::memory_order_relaxed); }
+
   // Makes the all-reduce hierarchical: intra-node reduce-scatter of a block, a cross-node
   // all-reduce of this rank's slice of it, intra-node all-gather. Slices cross in chunks of about
   // chunk_bytes of the message, pipelined: while chunks cross, the node reduce-scatters the next
@@ -158,7 +164,7 @@ class ShmAllreduce {
   ShmLayout layout_;
   int me_;
   std::vector<int> ranks_;
-  size_t one_shot_bytes_;
+  std::atomic<size_t> one_shot_bytes_;
   std::chrono::milliseconds timeout_;
   Header* header_;
   RankControl* control_;

@@ -252,3 +252,34 @@ def load(rank, world):
 
 def test_thousands_of_small_calls_and_a_1gib_call_between_process_group_collectives():
     run_ranks(load, 4, timeout=300)
+
+
+def schedules(rank, world):
+    import ddpx
+    from ddpx.engine import engine_for
+
+    engine = engine_for(None)
+    chosen = engine.one_shot_bytes
+    results = {}
+    for one_shot_kb in (4096, 32):
+        engine.one_shot_bytes = one_shot_kb * 1024
+        for n in (8191, 262147, 1_000_003):
+            out = rank_input(rank, n, torch.float32)
+            ddpx.all_reduce(out)
+            results[(one_shot_kb, n)] = fingerprint(out)
+    engine.one_shot_bytes = chosen
+    return chosen, engine.describe(), results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_schedule_chosen_at_creation_is_the_same_on_every_rank(world):
+    """Without DDPX_ONE_SHOT_KB an engine times its two schedules once and keeps the faster:
+    every rank keeps the same, describe() names it, and either gives the same bits."""
+    runs = run_ranks(schedules, world)
+    chosen, described, results = runs[0]
+    assert chosen in (4096 * 1024, 32 * 1024)
+    assert f"one-shot up to {chosen >> 10} KiB" in described
+    for other in runs[1:]:
+        assert other[0] == chosen and other[2] == results
+    for n in (8191, 262147, 1_000_003):
+        assert results[(4096, n)] == results[(32, n)]

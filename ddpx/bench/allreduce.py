@@ -32,7 +32,9 @@ from ddpx.bench.common import (
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
-ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy")
+# ddpx with its one-shot size fixed, not chosen at creation: the two schedules it chooses from.
+SCHEDULES = {"ddpx-oneshot4M": 4096 * 1024, "ddpx-oneshot32K": 32 * 1024}
+ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 # Set by ddpx-bench for the ranks it starts, once it has built DeepSpeed's op: "" when it built,
 # else why not (so that no rank builds it again).
@@ -79,6 +81,14 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
                 left_out[name] = why_peer_not
             else:
                 add_if_it_works(engines, name, engine, left_out)
+        elif name in SCHEDULES:
+            if nodes > 1:
+                left_out[name] = "across nodes every message is split: there is no one-shot"
+                continue
+            group = dist.new_group(list(range(dist.get_world_size())))
+            engine_for(group).one_shot_bytes = SCHEDULES[name]
+            add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
+                            left_out)
         else:
             add_if_it_works(
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out

@@ -45,9 +45,12 @@ inference_all_reduce, called directly; its first use compiles it, about a minute
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, before any timing), and `copy`, which is
 not an all-reduce: every rank at once copies its tensor into a buffer of the same size, the least
 memory traffic (read the tensor, write a result) any in-place all-reduce needs, a floor to read
-the others against (it is timed, not checked). Engines that do not work here are left out with a
-note (the peers when not installed; `deepspeed` with --nodes, as its op spans one node only,
-while `gloo` and `mpi` reduce the simulated nodes as one machine).
+the others against (it is timed, not checked). Two more, not run unless named: `ddpx-oneshot4M`
+and `ddpx-oneshot32K`, ddpx with the size up to which every rank sums whole blocks fixed at 4 MiB
+or 32 KiB: the two schedules a ddpx engine times at creation to keep the faster (ddpx.engine), side
+by side. Engines that do not work here are left out with a note (the peers when not installed;
+`deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
+simulated nodes as one machine; the fixed schedules with --nodes, which always split).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
 `mpirun --oversubscribe --bind-to none -np W python -m ddpx.bench <the same arguments>` instead of
 torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
@@ -104,7 +107,7 @@ import torch.multiprocessing as mp
 
 from ddpx import testbed
 from ddpx.bench.accuracy import METHODS
-from ddpx.bench.allreduce import ENGINES
+from ddpx.bench.allreduce import ENGINES, SCHEDULES
 from ddpx.bench.common import MPI_WORKDIR
 from ddpx.bench.launch import launched, mpirun_rank, on_testbed, spawned
 from ddpx.bench.report import report
@@ -132,8 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     allreduce.add_argument(
         "--engines",
         type=_choice_list(ENGINES),
-        default=list(ENGINES),
-        help=f"comma-separated, from {','.join(ENGINES)} (default all)",
+        default=[engine for engine in ENGINES if engine not in SCHEDULES],
+        help=f"comma-separated, from {','.join(ENGINES)} (default all but "
+        f"{', '.join(SCHEDULES)})",
     )
     allreduce.add_argument(
         "--iters", type=int, default=20, help="timed samples per engine and cell"

@@ -18,6 +18,8 @@ WIRE = {
     "ddpx": None,
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
+    "ddpx-oneshot4M": None,
+    "ddpx-oneshot32K": None,
     "default": None,
     "none": None,
     "fp16": "fp16",
