@@ -5,7 +5,9 @@ halves across processes. `accelerator.prepare` cannot wrap such a model (it move
 device and gives DDP that one device id), so this script wraps it in DDP itself, with
 device_ids=None, and uses Accelerate only to launch, to know its rank, and to print.
 On GPUs, the process of local rank r uses cuda:2r and cuda:2r+1: launch half as many processes
-as GPUs. On CPU both halves live on "cpu" (the split is then only in the code).
+as GPUs. On CPU both halves live on "cpu" (the split is then only in the code). --devices DEV0,DEV1
+puts the halves of every process on those two devices instead: both on one GPU, or one on a GPU
+and one on the CPU (for one process only, as DDP takes no model that spans device types).
 
 Launch from the repository root:
 
@@ -16,6 +18,8 @@ Launch from the repository root:
         scripts/model_parallel.py
     accelerate launch --config_file scripts/configs/gpu.yaml --num_processes 2 \
         scripts/model_parallel.py               # 4 GPUs
+    python scripts/model_parallel.py --devices cuda:0,cuda:0   # 1 GPU
+    python scripts/model_parallel.py --devices cuda:0,cpu
 """
 
 import os
@@ -35,8 +39,29 @@ from ddpx.training import (
 )
 
 
-def split_devices(accelerator):
+def named_devices(spec: str, distributed: bool) -> tuple[torch.device, torch.device]:
+    """The two devices of --devices DEV0,DEV1; exits with the reason when they cannot serve."""
+    names = spec.split(",")
+    if len(names) != 2:
+        raise SystemExit(f"--devices takes two devices, DEV0,DEV1 (e.g. cuda:0,cpu), got {spec!r}")
+    try:
+        devices = tuple(torch.device(name) for name in names)
+    except RuntimeError as error:
+        raise SystemExit(f"--devices {spec}: {error}") from None
+    for device in devices:
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise SystemExit(f"--devices {spec}: there is no {device}, this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    if distributed and devices[0].type != devices[1].type:
+        raise SystemExit(f"--devices {spec}: DDP takes no model that spans device types; with "
+                         "several processes put both halves on one (e.g. cuda:0,cuda:0)")
+    return devices
+
+
+def split_devices(accelerator, devices: str | None):
     """The two devices of this process; exits with the reason when the GPUs are too few."""
+    if devices is not None:
+        return named_devices(devices, accelerator.use_distributed)
     if accelerator.device.type == "cpu":
         return torch.device("cpu"), torch.device("cpu")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -45,14 +70,15 @@ def split_devices(accelerator):
             f"model_parallel.py needs 2 GPUs per process: {local_processes} process(es) on "
             f"this machine need {2 * local_processes} GPUs, and it has "
             f"{torch.cuda.device_count()}. Launch {torch.cuda.device_count() // 2 or 'no'} "
-            "process(es) per machine, or add --cpu."
+            "process(es) per machine, add --cpu, or name the devices with --devices "
+            "(e.g. cuda:0,cuda:0)."
         )
     first = 2 * accelerator.local_process_index
     return torch.device("cuda", first), torch.device("cuda", first + 1)
 
 
 def train(accelerator, args):
-    dev0, dev1 = split_devices(accelerator)
+    dev0, dev1 = split_devices(accelerator, args.devices)
     model = ToyMpModel(dev0, dev1)
     if accelerator.use_distributed:
         model = DistributedDataParallel(model, device_ids=None)
@@ -75,7 +101,10 @@ def train(accelerator, args):
 
 
 def main():
-    args = make_parser(__doc__).parse_args()
+    parser = make_parser(__doc__)
+    parser.add_argument("--devices", metavar="DEV0,DEV1",
+                        help="the devices of net1 and net2 (e.g. cuda:0,cuda:0 or cuda:0,cpu)")
+    args = parser.parse_args()
     accelerator = make_accelerator(args)
     train(accelerator, args)
     shutdown(accelerator)

@@ -125,6 +125,16 @@ def test_model_parallel():
     assert "model split: net1 on cpu, net2 on cpu" in stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
+def test_model_parallel_names_a_missing_device():
+    result = subprocess.run([sys.executable, SCRIPTS / "model_parallel.py", "--devices",
+                             "cuda:0,cpu"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 1, result.stderr
+    assert ("--devices cuda:0,cpu: there is no cuda:0, this machine has 0 CUDA device(s)"
+            in result.stderr), result.stderr
+
+
 def test_checkpoint_cycle_by_default():
     """With no flags: halfway and at the end, rank 0 saves, every rank loads the checkpoint back
     with its map_location and finds the weights it saved; the temporary directory is gone after."""

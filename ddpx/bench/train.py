@@ -57,7 +57,7 @@ def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -
     for name in hooks:
         model = DDP(copy.deepcopy(initial))
         try:
-            models[name] = model, _register_hook(name, model)
+            models[name] = model, register_hook(name, model)
         # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
         # bf16_compress_hook without NCCL 2.10+ or XCCL.
         except (NotImplementedError, TypeError) as exc:
@@ -65,8 +65,9 @@ def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -
     return models
 
 
-def _register_hook(name: str, model: DDP) -> str:
-    """Register the comm hook `name` on `model`; say what it does."""
+def register_hook(name: str, model: DDP) -> str:
+    """Register the comm hook `name` on `model`; say what it does. scripts/gpu_report.py uses it
+    too."""
     if name == "default":
         return "DDP's built-in all-reduce"
     if name == "none":
@@ -102,7 +103,7 @@ def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tenso
 
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
     checked = {name: entry for name, entry in models.items() if name != "none"}
-    diffs = _diffs_from_default(initial, checked)
+    diffs = diffs_from_default(initial, checked)
     nodes = node_count()
     rows = []
     for name, (model, describe) in models.items():
@@ -134,8 +135,10 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     return rows
 
 
-def _diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
-    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance."""
+def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
+    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance.
+    `models`: hook name -> (DDP model, description); `initial` is on the models' device.
+    scripts/gpu_report.py uses it too."""
     if "default" not in models:
         return {}
     default = models["default"][0].module
