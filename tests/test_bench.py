@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -135,6 +136,8 @@ def test_allreduce(tmp_path):
         else:
             assert 0 <= row["max_abs_error"] <= row["tolerance"]
     assert "x vs gloo" in stdout and "x vs best peer" in stdout
+    if ddpx_built():
+        assert re.search(r"note: ddpx on 2 ranks: .*one-shot up to (4096|32) KiB", stdout), stdout
     assert "load: none (idle)" in stdout
     assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)

@@ -52,7 +52,9 @@ def bench_allreduce(args) -> dict:
             f"{cell}: checking {', '.join(engines)}; {time.perf_counter() - started:.0f} s elapsed"
         )
         rows += _bench_cell(size, engines, args, cell, nodes)
-    return {"rows": rows, "left_out": left_out, "notes": [], "failures": []}
+    # The path, and the schedule the engine chose when it was made (ddpx.engine), of this run.
+    notes = [f"ddpx on {world_size} ranks: {engine_for().describe()}"] if "ddpx" in engines else []
+    return {"rows": rows, "left_out": left_out, "notes": notes, "failures": []}
 
 
 def _bytes_across_nodes() -> int | None:
