@@ -23,7 +23,6 @@ sizes and times CPU collectives on the slowest rank; this times one GPU from one
 """
 
 import argparse
-import copy
 import gc
 import json
 import os
@@ -33,12 +32,10 @@ import statistics
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB_OF_FLOAT32 = 2**28
@@ -168,50 +165,22 @@ def all_reduce_speeds() -> list[dict]:
     ], "all_reduce")
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    _synchronize(batch.device)
-    start = time.perf_counter()
-    optimizer.zero_grad()
-    model(batch).square().mean().backward()
-    optimizer.step()
-    _synchronize(batch.device)
-    return time.perf_counter() - start
-
-
 def train_speeds(device: torch.device, params: int = TRAIN_PARAMS
                  ) -> tuple[list[dict], dict, list[str]]:
     """DDP steps of each TRAIN_HOOKS model on `device` (the tests take the CPU), taking turns
     step by step: rows, hooks left out (with why), failures."""
     from ddpx.bench.common import slowest_rank_stats
-    from ddpx.bench.train import diffs_from_default, register_hook
+    from ddpx.bench.train import diffs_from_default, hooked_models, timed_steps
     from ddpx.models import MLP
 
     torch.manual_seed(0)
     initial = MLP.with_params(params).to(device)
-    models, left_out = {}, {}
-    for name in TRAIN_HOOKS:
-        model = DDP(copy.deepcopy(initial),
-                    device_ids=[device.index] if device.type == "cuda" else None)
-        try:
-            models[name] = model, register_hook(name, model)
-        except (NotImplementedError, TypeError) as error:  # as in ddpx-bench train
-            left_out[name] = str(error)
-    optimizers = {name: torch.optim.SGD(model.parameters(), lr=TRAIN_LR)
-                  for name, (model, _) in models.items()}
+    left_out = {}
+    models = hooked_models(initial, TRAIN_HOOKS, left_out)
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randn(TRAIN_BATCH, initial.width, generator=generator).to(device)
                for _ in range(4)]
-    samples = {name: [] for name in models}
-    for step in range(TRAIN_WARMUP + TRAIN_STEPS):
-        for name, (model, _) in models.items():
-            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
-            if step >= TRAIN_WARMUP:
-                samples[name].append(seconds)
+    samples = timed_steps(models, batches, TRAIN_LR, TRAIN_WARMUP, TRAIN_STEPS)
     diffs = diffs_from_default(initial, models)
     rows, failures = [], []
     for name, (_, describe) in models.items():

@@ -29,35 +29,23 @@ def bench_train(args) -> dict:
     left_out, failures = {}, []
     torch.manual_seed(args.seed)
     initial = MLP.with_params(args.params)
-    models = _hooked_models(initial, args.comm_hooks, left_out)
-    optimizers = {
-        name: torch.optim.SGD(model.parameters(), lr=args.lr) for name, (model, _) in models.items()
-    }
-    batches = _train_batches(initial.width, args)
-    samples = {name: [] for name in models}
-    world_size, started = dist.get_world_size(), time.perf_counter()
-    for step in range(args.warmup + args.steps):
-        if step % 5 == 0:
-            elapsed = time.perf_counter() - started
-            progress(
-                f"world {world_size}: step {step + 1}/{args.warmup + args.steps} of each of "
-                f"{', '.join(models)}; {elapsed:.0f} s elapsed"
-            )
-        for name, (model, _) in models.items():
-            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
-            if step >= args.warmup:
-                samples[name].append(seconds)
+    models = hooked_models(initial, args.comm_hooks, left_out)
+    samples = timed_steps(models, _train_batches(initial.width, args), args.lr, args.warmup,
+                          args.steps)
     rows = _train_rows(initial, models, samples, args, failures)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
 
 
-def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
-    """A DDP copy of `initial` per hook that works here: name -> (model, what its hook does)."""
+def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
+    """A DDP copy of `initial` (on its device) per hook that works here: name -> (model, what its
+    hook does). scripts/gpu_report.py uses it too."""
+    device = next(initial.parameters()).device
     models = {}
     for name in hooks:
-        model = DDP(copy.deepcopy(initial))
+        model = DDP(copy.deepcopy(initial),
+                    device_ids=[device.index] if device.type == "cuda" else None)
         try:
-            models[name] = model, register_hook(name, model)
+            models[name] = model, _register_hook(name, model)
         # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
         # bf16_compress_hook without NCCL 2.10+ or XCCL.
         except (NotImplementedError, TypeError) as exc:
@@ -65,9 +53,31 @@ def _hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -
     return models
 
 
-def register_hook(name: str, model: DDP) -> str:
-    """Register the comm hook `name` on `model`; say what it does. scripts/gpu_report.py uses it
-    too."""
+def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
+                steps: int) -> dict:
+    """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
+    rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
+    makes them the slowest rank's). scripts/gpu_report.py uses it too."""
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=lr)
+                  for name, (model, _) in models.items()}
+    samples = {name: [] for name in models}
+    world_size, started = dist.get_world_size(), time.perf_counter()
+    for step in range(warmup + steps):
+        if step % 5 == 0:
+            elapsed = time.perf_counter() - started
+            progress(
+                f"world {world_size}: step {step + 1}/{warmup + steps} of each of "
+                f"{', '.join(models)}; {elapsed:.0f} s elapsed"
+            )
+        for name, (model, _) in models.items():
+            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
+            if step >= warmup:
+                samples[name].append(seconds)
+    return samples
+
+
+def _register_hook(name: str, model: DDP) -> str:
+    """Register the comm hook `name` on `model`; say what it does."""
     if name == "default":
         return "DDP's built-in all-reduce"
     if name == "none":
@@ -93,12 +103,21 @@ def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
 
 
 def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    dist.barrier()
+    """One step, begun after a barrier; on a GPU, from idle to done on the device."""
+    _synchronize(batch.device)
+    if dist.get_world_size() > 1:
+        dist.barrier()
     start = time.perf_counter()
     optimizer.zero_grad()
     model(batch).square().mean().backward()
     optimizer.step()
+    _synchronize(batch.device)
     return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
