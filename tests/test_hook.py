@@ -17,6 +17,8 @@ OPTIONS = {
     "no_sync accumulation": {"accumulate": 3, "bucket_cap_mb": 0.01},
 }
 STEPS = 5
+# The fused hook against DDP's default, uncompressed: see assert_matches_default.
+SUM_ORDER_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
 class Net(nn.Module):
@@ -30,11 +32,22 @@ class Net(nn.Module):
         return self.body(x)
 
 
+def register(model, hook: str, compression: str | None = None) -> None:
+    """Put the hook named `hook` on a DDP model: "cpp" (register_fused_hook), "python"
+    (fused_allreduce_hook), or "default" (none: DDP's own all-reduce)."""
+    import ddpx
+
+    if hook == "cpp":
+        ddpx.register_fused_hook(model, compression=compression)
+    elif hook == "python":
+        model.register_comm_hook(ddpx.FusedHookState(compression=compression),
+                                 ddpx.fused_allreduce_hook)
+
+
 def train(rank, hook, options):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx
 
     options = dict(options)
     accumulate = options.pop("accumulate", 1)
@@ -43,10 +56,7 @@ def train(rank, hook, options):
     if not options.get("find_unused_parameters"):
         net.unused.requires_grad_(False)
     model = DDP(net, **options)
-    if hook == "cpp":
-        ddpx.register_fused_hook(model)
-    elif hook == "python":
-        model.register_comm_hook(ddpx.FusedHookState(), ddpx.fused_allreduce_hook)
+    register(model, hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(100 + rank)
     first_grads = None
@@ -85,9 +95,10 @@ def assert_matches_default(runs):
         # (gloo's ring vs ddpx's rank order) and x*(1/n) for x/n: a few ulp per gradient, which
         # five SGD steps with lr 0.1 cannot grow past 1e-5 relative on these O(1) values.
         for g, ref in zip(grads, ref_grads, strict=True):
-            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6, msg=f"{name}/{hook} grads")
+            torch.testing.assert_close(g, ref, **SUM_ORDER_TOLERANCE, msg=f"{name}/{hook} grads")
         for p, ref in zip(params, ref_params, strict=True):
-            torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=f"{name}/{hook} params")
+            torch.testing.assert_close(p, ref, **SUM_ORDER_TOLERANCE,
+                                       msg=f"{name}/{hook} params")
         for other in by_rank[1:]:
             other_params = other[(name, hook)][1]
             for p, q in zip(params, other_params, strict=True):
@@ -140,16 +151,11 @@ def train_sparse(rank, hook, compression=None):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import ddpx
 
     torch.manual_seed(0)
     net = SparseNet()
     model = DDP(net)
-    if hook == "cpp":
-        ddpx.register_fused_hook(model, compression=compression)
-    elif hook == "python":
-        model.register_comm_hook(ddpx.FusedHookState(compression=compression),
-                                 ddpx.fused_allreduce_hook)
+    register(model, hook, compression)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(100 + rank)
     first_grads = None
@@ -180,15 +186,15 @@ def test_sparse_gradients_train_as_with_the_default(world):
     runs = run_ranks(compare_sparse, world)
     ref_grads, ref_params = runs[0][("default", None)]
     for (hook, compression), (grads, params) in runs[0].items():
-        dense_tolerance = {"rtol": 1e-5, "atol": 1e-6} if compression is None else \
+        dense_tolerance = SUM_ORDER_TOLERANCE if compression is None else \
             {"rtol": 2 * 2.0**-8, "atol": 1e-3}
         for index, (g, ref) in enumerate(zip(grads, ref_grads, strict=True)):
-            tolerance = {"rtol": 1e-5, "atol": 1e-6} if index == 0 else dense_tolerance
+            tolerance = SUM_ORDER_TOLERANCE if index == 0 else dense_tolerance
             torch.testing.assert_close(g, ref, **tolerance,
                                        msg=f"{hook}/{compression} grad {index}")
         if compression is None:
             for p, ref in zip(params, ref_params, strict=True):
-                torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=f"{hook} params")
+                torch.testing.assert_close(p, ref, **SUM_ORDER_TOLERANCE, msg=f"{hook} params")
         for other in runs[1:]:
             for p, q in zip(params, other[(hook, compression)][1], strict=True):
                 assert torch.equal(p, q), f"{hook}/{compression}: ranks hold different parameters"
