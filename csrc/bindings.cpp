@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include "backend.h"
 #include "engine.h"
 #include "fused_hook.h"
 
@@ -136,6 +137,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("across_nodes") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
         py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
         py::arg("abort_key") = std::string());
+
+  py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
+      .def(py::init([](int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
+                       std::shared_ptr<Engine> engine, std::string why_not) {
+             auto shm = std::dynamic_pointer_cast<ShmEngine>(engine);
+             TORCH_CHECK(shm || !engine, "ddpx: the backend takes a shared-memory engine or None");
+             return c10::make_intrusive<Backend>(rank, size, std::move(gloo), std::move(shm),
+                                                 std::move(why_not));
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("gloo"), py::arg("engine"),
+           py::arg("why_not") = std::string())
+      .def("describe", &Backend::describe)
+      .def("routes", [](const Backend& b) {
+        py::dict out;
+        for (const auto& [name, counts] : b.routes()) {
+          py::dict paths;
+          paths["engine"] = counts[0];
+          paths["gloo"] = counts[1];
+          out[py::str(name)] = paths;
+        }
+        return out;
+      });
 
   m.def("make_process_group_engine",
         [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason) {

@@ -481,12 +481,21 @@ void ShmEngine::execute(ShmAllreduce& shm, const at::Tensor& tensor, const Reque
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::run_async(at::Tensor tensor, Request request) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  return submit(
+      [tensor = std::move(tensor), request = std::move(request)](ShmAllreduce& shm) {
+        execute(shm, tensor, request);
+        return c10::IValue(tensor);
+      },
+      c10::TensorType::get());
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr type) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(std::move(type));
   {
     std::lock_guard<std::mutex> lock(queue_->mu);
     if (queue_->stopping) throw std::runtime_error("ddpx: the engine was shut down");
     if (!worker_.joinable()) worker_ = std::thread(worker_loop, queue_);
-    queue_->jobs.push_back(Queue::Job{std::move(tensor), std::move(request), future});
+    queue_->jobs.push_back(Queue::Job{std::move(op), future});
   }
   queue_->cv.notify_all();
   return future;
@@ -522,8 +531,7 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
     q.busy = true;
     lock.unlock();
     try {
-      execute(*q.shm, job.tensor, job.request);
-      job.future->markCompleted(c10::IValue(job.tensor));
+      job.future->markCompleted(job.op(*q.shm));
     } catch (...) {
       job.future->setError(std::current_exception());
     }

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -78,6 +79,10 @@ class ShmEngine final : public Engine {
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
   // Runs on the calling thread once every earlier asynchronous call has finished.
   void run(at::Tensor tensor, const Request& request) override;
+  // Runs op on the communication thread after every earlier call; the future, of `type`, holds
+  // what op returns, or its error.
+  using Op = std::function<c10::IValue(ShmAllreduce&)>;
+  c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
   // Finishes the queued work and joins the communication thread; later calls raise.
   void shutdown();
@@ -93,8 +98,7 @@ class ShmEngine final : public Engine {
   // reference to the engine is dropped on that thread (in a future's callback).
   struct Queue {
     struct Job {
-      at::Tensor tensor;
-      Request request;
+      Op op;
       c10::intrusive_ptr<c10::ivalue::Future> future;
     };
     std::unique_ptr<ShmAllreduce> shm;

@@ -20,7 +20,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3278706464ULL;  // "ddpx2": per-rank futex words
+constexpr uint64_t kMagic = 0x3378706464ULL;  // "ddpx3": calls name their collective
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
 // measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
@@ -91,10 +91,12 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 
 struct ShmAllreduce::CallMeta {
   uint64_t call;
-  int64_t numel;  // -1: this rank rejected its input, see RankControl::message
-  int32_t dtype;
+  int64_t numel;  // -1: this rank rejected its input, see RankControl::message; bytes if untyped
+  int32_t dtype;  // -1 for the collectives that move bytes
   int32_t wire;
   double scale;
+  int32_t op;     // a Collective
+  int32_t root;   // broadcast's source rank, else 0
 };
 
 struct alignas(64) ShmAllreduce::RankControl {
@@ -387,9 +389,17 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
 }
 
 std::string ShmAllreduce::describe_call(const CallMeta& m) {
-  return std::to_string(m.numel) + " " + dtype_name(DType(m.dtype)) + " elements (wire " +
-         dtype_name(DType(m.wire)) + ", scale " + std::to_string(m.scale) + ", call " +
-         std::to_string(m.call) + ")";
+  static const char* const names[] = {"", "an all-gather of ", "a broadcast of ",
+                                      "a reduce-scatter of "};
+  std::string out = names[m.op] + std::to_string(m.numel);
+  if (m.dtype < 0) {
+    out += " bytes (";
+  } else {
+    out += std::string(" ") + dtype_name(DType(m.dtype)) + " elements (wire " +
+           dtype_name(DType(m.wire)) + ", scale " + std::to_string(m.scale) + ", ";
+  }
+  if (Collective(m.op) == Collective::Broadcast) out += "from local rank " + std::to_string(m.root) + ", ";
+  return out + "call " + std::to_string(m.call) + ")";
 }
 
 void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& what) {
@@ -402,7 +412,7 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
                                control_[r].message);
     }
     if (m.numel != mine.numel || m.dtype != mine.dtype || m.wire != mine.wire ||
-        m.scale != mine.scale || m.call != mine.call) {
+        m.scale != mine.scale || m.call != mine.call || m.op != mine.op || m.root != mine.root) {
       throw std::runtime_error(
           "ddpx: ranks disagree on " + what + ": " + rank_name(me_) + " has " +
           describe_call(mine) + ", " + rank_name(r) + " has " + describe_call(m) +
@@ -454,7 +464,7 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
       double scale;
       std::memcpy(&scale, &theirs[5], sizeof scale);
       const CallMeta other{uint64_t(theirs[1]), theirs[2], int32_t(theirs[3]), int32_t(theirs[4]),
-                           scale};
+                           scale, int32_t(Collective::AllReduce), 0};
       throw std::runtime_error(
           "ddpx: nodes disagree on " + what + ": " + rank_name(me_) + " on node " +
           std::to_string(cross_node_->node()) + " has " + describe_call(mine) + ", its peer on " +
@@ -470,11 +480,15 @@ void ShmAllreduce::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t 
   chunk_bytes_ = chunk_bytes;
 }
 
-void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
+void ShmAllreduce::begin_call() const {
   if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
   check_not_aborted();
+}
+
+void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
+  begin_call();
   const uint64_t step = ++step_;
-  const CallMeta rejected{++calls_, -1, 0, 0, 0.0};
+  const CallMeta rejected{++calls_, -1, 0, 0, 0.0, 0, 0};
   control_[me_].meta[step & 1] = rejected;
   std::snprintf(control_[me_].message, sizeof control_[me_].message, "%s", reason.c_str());
   publish(Phase::Arrive, step);
@@ -492,8 +506,7 @@ void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
 
 void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                              const std::string& what) {
-  if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
-  check_not_aborted();
+  begin_call();
   if (numel < 0) throw std::invalid_argument("ddpx: negative element count");
   const Kernels& k = kernels();
   const size_t wire_size = dtype_size(wire);
@@ -509,7 +522,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   // Results larger than the last-level cache go out with streaming stores.
   const Store out_store =
       size_t(numel) * data_size >= kStreamBytes ? Store::Streaming : Store::Cached;
-  const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale};
+  const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale,
+                      int32_t(Collective::AllReduce), 0};
   const void* srcs[kMaxLocalRanks];
 
   auto block_count = [&](int64_t b) {
@@ -639,6 +653,94 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     if (c + 1 - gathered >= kCrossChunksInFlight) gather_chunk(gathered++);
   }
   while (gathered < chunks) gather_chunk(gathered++);
+}
+
+ShmAllreduce::CallMeta ShmAllreduce::local_call(Collective op, int64_t numel, int32_t dtype,
+                                                double scale, int root, const std::string& what) {
+  begin_call();
+  if (cross_node_) {
+    throw std::invalid_argument("ddpx: " + what + " spans nodes; the shared-memory engine "
+                                "all-reduces across nodes, the other collectives stay on one");
+  }
+  return CallMeta{++calls_, numel, dtype, dtype, scale, int32_t(op), root};
+}
+
+uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
+                                const std::function<void(char*)>& fill, const std::string& what) {
+  const uint64_t step = ++step_;
+  if (first) control_[me_].meta[step & 1] = mine;
+  fill(input_slot(me_, step));
+  publish(Phase::Arrive, step);
+  wait_all(Phase::Arrive, step, what);
+  if (first) check_peers_agree(mine, what);
+  return step;
+}
+
+void ShmAllreduce::allgather(const void* in, size_t bytes, void* out, const std::string& what) {
+  const CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
+  const size_t block = layout_.block_bytes;
+  const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  for (size_t b = 0; b < blocks; ++b) {
+    const size_t lo = b * block, count = std::min(block, bytes - lo);
+    const uint64_t step =
+        exchange(mine, b == 0, [&](char* slot) { std::memcpy(slot, src + lo, count); }, what);
+    for (int r = 0; r < layout_.nranks; ++r) {
+      char* part = dst + size_t(r) * bytes + lo;
+      const char* from = r == me_ ? src + lo : input_slot(r, step);
+      if (part != from) std::memcpy(part, from, count);
+    }
+  }
+}
+
+void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::string& what) {
+  if (root < 0 || root >= layout_.nranks) {
+    throw std::invalid_argument("ddpx: broadcast from local rank " + std::to_string(root) +
+                                " of " + std::to_string(layout_.nranks));
+  }
+  const CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
+  const size_t block = layout_.block_bytes;
+  const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
+  char* bytes_at = static_cast<char*>(data);
+  for (size_t b = 0; b < blocks; ++b) {
+    const size_t lo = b * block, count = std::min(block, bytes - lo);
+    const uint64_t step = exchange(mine, b == 0, [&](char* slot) {
+      if (me_ == root) std::memcpy(slot, bytes_at + lo, count);
+    }, what);
+    if (me_ != root) std::memcpy(bytes_at + lo, input_slot(root, step), count);
+  }
+}
+
+void ShmAllreduce::reduce_scatter(const void* in, void* out, DType dtype, int64_t count,
+                                  double scale, const std::string& what) {
+  if (count < 0) throw std::invalid_argument("ddpx: negative element count");
+  const CallMeta mine =
+      local_call(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
+  const Kernels& k = kernels();
+  const int n = layout_.nranks;
+  const size_t size = dtype_size(dtype);
+  // Each step's slot holds one part per destination rank, whole cache lines each.
+  const int64_t line = int64_t(64 / size);
+  const int64_t part = int64_t(layout_.block_bytes / (size * size_t(n))) / line * line;
+  const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
+  const Store store = size_t(count) * size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t lo = s * part, todo = std::min(part, count - lo);
+    const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
+      if (todo <= 0) return;
+      for (int r = 0; r < n; ++r) {
+        k.pack(slot + size_t(r * part) * size, dtype, src + size_t(r * count + lo) * size, dtype,
+               todo, scale, Store::Cached);
+      }
+    }, what);
+    if (todo <= 0) continue;
+    for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(me_ * part) * size;
+    k.reduce(dst + size_t(lo) * size, dtype, srcs, n, dtype, todo, store);
+  }
 }
 
 }  // namespace ddpx

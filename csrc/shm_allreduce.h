@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,6 +98,19 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
+  // The collectives that move bytes or sum slices, one node only (they refuse a hierarchical
+  // engine). Each goes through in blocks, one synchronisation per block, and is checked against
+  // the other ranks' call like allreduce. allgather: every rank's `bytes` bytes of in land at
+  // out + rank * bytes on every rank (in may be out's own part). broadcast: local rank root's
+  // data lands in every rank's. reduce_scatter: out (count elements) = the sum over ranks of
+  // their in[me * count .. (me + 1) * count), each scaled, summed in rank order in float (double
+  // for float64) and rounded once into dtype.
+  void allgather(const void* in, size_t bytes, void* out, const std::string& what);
+  void broadcast(void* data, size_t bytes, int root, const std::string& what);
+  void reduce_scatter(const void* in, void* out, DType dtype, int64_t count, double scale,
+                      const std::string& what);
+  bool spans_nodes() const { return cross_node_ != nullptr; }
+
   // Messages of up to one_shot_bytes (in the wire dtype) are summed whole by every rank after one
   // exchange; larger ones are reduce-scattered and all-gathered. Every rank of the node must set
   // the same value, between calls.
@@ -125,6 +139,7 @@ class ShmAllreduce {
   WaitStats wait_stats() const;
 
   int local_size() const { return layout_.nranks; }
+  int local_rank() const { return me_; }
   size_t block_bytes() const { return layout_.block_bytes; }
 
  private:
@@ -132,6 +147,7 @@ class ShmAllreduce {
   struct RankControl;
   struct CallMeta;
   enum class Phase { Arrive, Reduce };
+  enum class Collective : int32_t { AllReduce, AllGather, Broadcast, ReduceScatter };
 
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
@@ -145,6 +161,14 @@ class ShmAllreduce {
   bool yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start);
   bool spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start);
   void wait_all(Phase phase, uint64_t step, const std::string& what);
+  // Raises if an earlier call failed here or on a peer; then the call may start.
+  void begin_call() const;
+  // Starts the next step of a node-local call: fill writes this rank's block into its input
+  // slot, then every peer's is awaited; a call's first step also checks that the ranks agree.
+  uint64_t exchange(const CallMeta& mine, bool first, const std::function<void(char*)>& fill,
+                    const std::string& what);
+  CallMeta local_call(Collective op, int64_t numel, int32_t dtype, double scale, int root,
+                      const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
   // Hierarchical only: sends this call's description and the node's verdict on it (ok: the

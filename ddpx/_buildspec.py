@@ -13,6 +13,7 @@ CPP_SOURCES = (
     "kernels_avx2.cpp",
     "shm_allreduce.cpp",
     "engine.cpp",
+    "backend.cpp",
     "bindings.cpp",
 )
 

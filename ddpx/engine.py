@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension
 
-__all__ = ["all_reduce", "engine_for", "wire_dtype"]
+__all__ = ["all_reduce", "create_node_engine", "engine_for", "wire_dtype"]
 
 logger = logging.getLogger("ddpx")
 
@@ -123,13 +123,18 @@ def _shm_free_bytes() -> int:
 
 
 class _Meeting:
-    """Keys of one engine set-up in the job's store."""
+    """Keys of one engine set-up in a store the group's ranks share."""
 
-    def __init__(self, group):
-        self.store = dist.distributed_c10d._get_default_store()
+    def __init__(self, store, prefix: str):
+        self.store = store
+        self.prefix = prefix
+
+    @classmethod
+    def of_group(cls, group) -> _Meeting:
         generation = _generation.get(group.group_name, 0)
         _generation[group.group_name] = generation + 1
-        self.prefix = f"ddpx/{group.group_name}/{generation}"
+        return cls(dist.distributed_c10d._get_default_store(),
+                   f"ddpx/{group.group_name}/{generation}")
 
     def put(self, key: str, value: str) -> None:
         self.store.set(f"{self.prefix}/{key}", value)
@@ -226,30 +231,38 @@ def _node_identity() -> str:
 _across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _across_nodes(ranks: list[int]) -> list:
-    """The process groups (a dealing and a gathering one per lane) of these global ranks, the
-    same local index on every node. Only they make them (so any group can span nodes), and
-    engines that pair the same ranks share them."""
+def lane_groups(ranks: list[int], make_group) -> list:
+    """The process groups between nodes of these global ranks, the same local index on every
+    node: a dealing and a gathering one per lane, ``make_group(ranks, lane)`` each."""
     if _CROSS_LANES < 1 or _CROSS_CHUNK_KB < 1:
         raise ValueError(
             f"ddpx: DDPX_CROSS_LANES={_CROSS_LANES} and DDPX_CROSS_CHUNK_KB={_CROSS_CHUNK_KB}: "
             "both must be 1 or more (unset them for the defaults, 1 and 4096)")
-    groups = []
-    for lane in range(2 * _CROSS_LANES):  # a dealing and a gathering group per lane
-        key = (tuple(ranks), lane)
-        group = _across_groups.get(key)
-        if group is None:
-            group = dist.new_group(ranks, use_local_synchronization=True)
-            _across_groups[key] = group
-        groups.append(group)
-    return groups
+    return [make_group(ranks, lane) for lane in range(2 * _CROSS_LANES)]
 
 
-def _create_engine(group, timeout: timedelta | None):
-    C = extension()
-    timeout = timeout if timeout is not None else _group_timeout(group)
-    meeting = _Meeting(group)
-    me, size = dist.get_rank(group), group.size()
+def _shared_new_group(ranks: list[int], lane: int):
+    """Only these ranks make it (so any group can span nodes), and engines that pair the same
+    ranks share it."""
+    key = (tuple(ranks), lane)
+    group = _across_groups.get(key)
+    if group is None:
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        _across_groups[key] = group
+    return group
+
+
+def _across_nodes(ranks: list[int]) -> list:
+    return lane_groups(ranks, _shared_new_group)
+
+
+def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: timedelta,
+                       across_nodes):
+    """The shared-memory engine of the group whose global ranks are ``ranks`` (this rank is
+    ``ranks[me]``), made collectively through ``meeting``, or the reason why shared memory
+    cannot serve it, the same on every rank. ``across_nodes(lane_ranks)`` makes the process
+    groups between nodes, for a group that spans several."""
+    size = len(ranks)
     if me == 0:
         meeting.put("layout", f"{_BLOCK_KB * 1024} {_ONE_SHOT_KB * 1024}")
     meeting.put(f"node/{me}", _node_identity())
@@ -262,24 +275,33 @@ def _create_engine(group, timeout: timedelta | None):
             f"ddpx: the job's nodes run different numbers of ranks ({[len(m) for m in members]});"
             " the hierarchical all-reduce needs the same number on every node: launch every node "
             "with the same --nproc_per_node / --num_processes")
-    ranks = dist.get_process_group_ranks(group)
     index = members[node].index(me)
-    across = _across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else []
+    across = across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else []
     result = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
     # One node without shared memory makes every node fall back: the paths must match.
     meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
     reasons = [meeting.get(f"usable/{r}") for r in range(size)]
     failed = [r for r in reasons if r != "ok"]
-    if not failed:
-        if _CALIBRATE and not across:
-            _choose_schedule(result)
+    if failed:
+        reason = f"shared memory is unavailable: {failed[0]}"
+        if os.environ.get("DDPX_STRICT") == "1":
+            raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
+        return reason
+    if _CALIBRATE and not across:
+        _choose_schedule(result)
+    return result
+
+
+def _create_engine(group, timeout: timedelta | None):
+    timeout = timeout if timeout is not None else _group_timeout(group)
+    me = dist.get_rank(group)
+    result = create_node_engine(_Meeting.of_group(group), me,
+                                dist.get_process_group_ranks(group), timeout, _across_nodes)
+    if not isinstance(result, str):
         return result
-    reason = f"shared memory is unavailable: {failed[0]}"
-    if os.environ.get("DDPX_STRICT") == "1":
-        raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
     if me == 0:
-        logger.warning("ddpx: %s; using the process group's all-reduce instead", reason)
-    return C.make_process_group_engine(group, reason)
+        logger.warning("ddpx: %s; using the process group's all-reduce instead", result)
+    return extension().make_process_group_engine(group, result)
 
 
 def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):

@@ -1,0 +1,469 @@
+#include "backend.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace ddpx {
+namespace {
+
+using c10d::ReduceOp;
+
+// The MIN, MAX, PRODUCT and bitwise reductions, and every reduction of integer and bool tensors,
+// all-gather the ranks' data this much at a time (per rank) and reduce it here, in rank order.
+constexpr int64_t kGatherChunkBytes = int64_t(1) << 20;
+
+// A collective's work: done when the engine's thread has run it; wait() raises its error.
+class EngineWork final : public c10d::Work {
+ public:
+  EngineWork(c10::intrusive_ptr<c10::ivalue::Future> future, c10d::OpType type)
+      : Work(-1, type), future_(std::move(future)) {}
+
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override {
+    return future_->hasError() ? future_->exception_ptr() : nullptr;
+  }
+  std::vector<at::Tensor> result() override { return future_->value().toTensorVector(); }
+  // The engine's waits end at the group's timeout, so a finite timeout here adds nothing.
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    future_->waitAndThrow();
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+bool is_sum(const ReduceOp& op) {
+  return op.op_ == ReduceOp::SUM || op.op_ == ReduceOp::AVG || op.op_ == ReduceOp::PREMUL_SUM;
+}
+
+// Sums the engine's kernels do: floating-point data summed in float32 (float64 for float64).
+bool kernel_sum(const at::Tensor& t, const ReduceOp& op) {
+  return is_sum(op) && to_dtype(t.scalar_type()).has_value();
+}
+
+const char* op_name(const ReduceOp& op) {
+  static const char* const names[] = {"SUM", "AVG",  "PRODUCT", "MIN",        "MAX",
+                                      "BAND", "BOR", "BXOR",    "PREMUL_SUM", "UNUSED"};
+  return names[std::min<int>(op.op_, ReduceOp::UNUSED)];
+}
+
+// Every input's scale before the sum: 1/world for AVG, the factor for PREMUL_SUM.
+double sum_scale(const ReduceOp& op, int world) {
+  if (op.op_ == ReduceOp::AVG) return 1.0 / world;
+  if (op.op_ != ReduceOp::PREMUL_SUM) return 1.0;
+  const auto* factor = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(factor, "ddpx: PREMUL_SUM without its factor");
+  return factor->tensor_factor.defined() ? factor->tensor_factor.item<double>()
+                                         : factor->double_factor;
+}
+
+// Why this rank cannot take part in a reduction of t with op, or "".
+std::string invalid_reduction(const at::Tensor& t, const ReduceOp& op, const std::string& what) {
+  std::ostringstream why;
+  const bool floating = at::isFloatingType(t.scalar_type());
+  if (op.op_ >= ReduceOp::UNUSED) {
+    why << "ddpx: " << what << " got an unknown reduce op";
+  } else if (is_sum(op) && op.op_ != ReduceOp::SUM && !floating) {
+    why << "ddpx: ReduceOp." << op_name(op) << " of a " << t.scalar_type() << " tensor in " << what
+        << " would round every input: sum it (ReduceOp.SUM) and divide";
+  } else if ((op.op_ == ReduceOp::BAND || op.op_ == ReduceOp::BOR || op.op_ == ReduceOp::BXOR) &&
+             floating) {
+    why << "ddpx: ReduceOp." << op_name(op) << " needs an integer or bool tensor, " << what
+        << " has " << t.scalar_type();
+  }
+  return why.str();
+}
+
+void combine(at::Tensor& into, const at::Tensor& other, const ReduceOp& op) {
+  switch (op.op_) {
+    case ReduceOp::SUM: into.add_(other); break;
+    case ReduceOp::PRODUCT: into.mul_(other); break;
+    case ReduceOp::MIN: into.copy_(at::minimum(into, other)); break;
+    case ReduceOp::MAX: into.copy_(at::maximum(into, other)); break;
+    case ReduceOp::BAND: into.bitwise_and_(other); break;
+    case ReduceOp::BOR: into.bitwise_or_(other); break;
+    case ReduceOp::BXOR: into.bitwise_xor_(other); break;
+    default: TORCH_INTERNAL_ASSERT(false, "ddpx: no reduction for ", op_name(op));
+  }
+}
+
+// Reduces the contiguous `data` in place over the node's ranks with op: all-gathered a chunk at
+// a time, combined in rank order, exactly (as gloo does, integer sums wrapping around).
+void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& op,
+                     const std::string& what) {
+  const int n = shm.local_size();
+  const int64_t numel = data.numel();
+  const int64_t per = std::max<int64_t>(1, kGatherChunkBytes / int64_t(data.element_size()));
+  at::Tensor flat = data.view(-1);
+  at::Tensor rows_buffer = at::empty({n * std::min(per, numel)}, data.options());
+  for (int64_t lo = 0; lo == 0 || lo < numel; lo += per) {
+    const int64_t todo = std::min(per, numel - lo);
+    at::Tensor piece = flat.narrow(0, lo, todo);
+    at::Tensor rows = rows_buffer.narrow(0, 0, n * todo).view({n, todo});
+    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(), rows.data_ptr(), what);
+    piece.copy_(rows[0]);
+    for (int r = 1; r < n; ++r) combine(piece, rows[r], op);
+  }
+}
+
+// t itself when the engine can write it in place, else a contiguous copy to write back.
+at::Tensor dense(const at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+
+void write_back(const at::Tensor& into, const at::Tensor& from) {
+  if (!from.is_same(into)) into.copy_(from);
+}
+
+// A tensor that does not share memory with other, or a copy of it.
+at::Tensor apart_from(const at::Tensor& t, const at::Tensor& other, const at::Tensor& allowed) {
+  const auto begin = [](const at::Tensor& x) { return static_cast<const char*>(x.data_ptr()); };
+  const auto end = [&](const at::Tensor& x) { return begin(x) + x.numel() * x.element_size(); };
+  if (t.numel() == 0 || other.numel() == 0) return t;
+  if (allowed.defined() && begin(t) == begin(allowed) && t.numel() == allowed.numel()) return t;
+  return end(t) <= begin(other) || end(other) <= begin(t) ? t : t.clone();
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+std::string same_shape_error(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                             const std::string& what) {
+  for (const auto& out : outputs) {
+    if (out.numel() != input.numel() || out.scalar_type() != input.scalar_type()) {
+      std::ostringstream why;
+      why << "ddpx: " << what << " needs every output like the input (" << input.numel() << " "
+          << input.scalar_type() << "), got " << out.numel() << " " << out.scalar_type();
+      return why.str();
+    }
+  }
+  return {};
+}
+
+// The tensor form of reduce_scatter on the node: input holds every rank's part in rank order.
+void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output, const at::Tensor& input,
+                        const ReduceOp& op, int world, const std::string& what) {
+  if (input.numel() != world * output.numel() || output.scalar_type() != input.scalar_type()) {
+    std::ostringstream why;
+    why << "ddpx: " << what << " needs an input of " << world << " x " << output.numel() << " "
+        << output.scalar_type() << " elements (world size x output), got " << input.numel() << " "
+        << input.scalar_type();
+    shm.reject(why.str(), what);
+  }
+  at::Tensor out = dense(output);
+  const at::Tensor in = apart_from(dense(input), out, at::Tensor());
+  if (kernel_sum(in, op)) {
+    shm.reduce_scatter(in.data_ptr(), out.data_ptr(), *to_dtype(in.scalar_type()), out.numel(),
+                       sum_scale(op, world), what);
+  } else {
+    const std::string why = invalid_reduction(in, op, what);
+    if (!why.empty()) shm.reject(why, what);
+    at::Tensor all = in.clone();
+    reduce_gathered(shm, all, op, what);
+    out.view(-1).copy_(all.narrow(0, int64_t(shm.local_rank()) * out.numel(), out.numel()));
+  }
+  write_back(output, out);
+}
+
+}  // namespace
+
+Backend::Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
+                 std::shared_ptr<ShmEngine> engine, std::string why_not)
+    : c10d::Backend(rank, size),
+      gloo_(std::move(gloo)),
+      engine_(std::move(engine)),
+      why_not_(std::move(why_not)) {
+  TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
+}
+
+void Backend::count(const char* name, int path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++routes_[name][size_t(path)];
+}
+
+std::map<std::string, std::array<uint64_t, 2>> Backend::routes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return routes_;
+}
+
+std::string Backend::describe() const {
+  if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
+  return engine_->describe() +
+         (local() ? "" : "; only the all-reduce of floating-point sums and the barrier use it, "
+                         "the other collectives go to gloo");
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, std::vector<at::Tensor> outputs,
+                                                  std::vector<Step> steps) {
+  count(name, 0);
+  auto future = engine_->submit(
+      [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps)](ShmAllreduce& shm) {
+        for (const Step& step : steps) step(shm);
+        return c10::IValue(outputs);
+      },
+      c10::ListType::create(c10::TensorType::get()));
+  auto work = c10::make_intrusive<EngineWork>(std::move(future), c10d::OpType::UNKNOWN);
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::on_gloo(const char* name,
+                                                c10::intrusive_ptr<c10d::Work> work) {
+  count(name, 1);
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
+void Backend::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "ddpx: coalescing has started already");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
+  TORCH_CHECK(coalescing_, "ddpx: endCoalescing without startCoalescing");
+  coalescing_ = false;
+  c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
+      c10::FutureType::create(c10::AnyType::get()));
+  for (const auto& work : coalesced_) futures.push_back(work->getFuture());
+  coalesced_.clear();
+  return c10::make_intrusive<EngineWork>(c10::collectAll(futures), c10d::OpType::COALESCED);
+}
+
+Backend::Step Backend::allreduce_step(const at::Tensor& tensor, const ReduceOp& op) const {
+  const std::string what = "torch.distributed.all_reduce (" + std::string(op_name(op)) + ")";
+  const bool sum = kernel_sum(tensor, op);
+  const double scale = sum ? sum_scale(op, getSize()) : 1.0;
+  return [tensor, op, sum, scale, what](ShmAllreduce& shm) {
+    at::Tensor data = dense(tensor);
+    if (sum) {
+      const DType dtype = *to_dtype(data.scalar_type());
+      shm.allreduce(data.data_ptr(), dtype, data.numel(), dtype, scale, what);
+    } else {
+      const std::string why = invalid_reduction(data, op, what);
+      if (!why.empty()) shm.reject(why, what);
+      reduce_gathered(shm, data, op, what);
+    }
+    write_back(tensor, data);
+  };
+}
+
+Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,
+                                           const ReduceOp& op) const {
+  const int world = getSize();
+  return [output, input, op, world](ShmAllreduce& shm) {
+    run_reduce_scatter(shm, output, input, op, world,
+                       "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")");
+  };
+}
+
+Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor& input) const {
+  const int world = getSize();
+  return [output, input, world](ShmAllreduce& shm) {
+    const std::string what = "torch.distributed.all_gather_into_tensor";
+    if (output.numel() != world * input.numel() || output.scalar_type() != input.scalar_type()) {
+      std::ostringstream why;
+      why << "ddpx: " << what << " needs an output of " << world << " x " << input.numel() << " "
+          << input.scalar_type() << " elements (world size x input), got " << output.numel()
+          << " " << output.scalar_type();
+      shm.reject(why.str(), what);
+    }
+    at::Tensor out = dense(output);
+    const at::Tensor own =
+        out.view(-1).narrow(0, int64_t(shm.local_rank()) * input.numel(), input.numel());
+    const at::Tensor in = apart_from(dense(input), out, own);
+    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), out.data_ptr(), what);
+    write_back(output, out);
+  };
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) {
+  require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
+  const at::Tensor& t = tensors[0];
+  if (t.layout() == at::kStrided && engine_ && (local() || kernel_sum(t, opts.reduceOp))) {
+    return on_engine("all_reduce", tensors, {allreduce_step(t, opts.reduceOp)});
+  }
+  return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  return on_gloo("all_reduce_sparse", gloo_->allreduce_sparse(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const bool engine = engine_ && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
+    return t.layout() == at::kStrided && (local() || kernel_sum(t, opts.reduceOp));
+  });
+  if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
+  std::vector<Step> steps;
+  for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
+  return on_engine("all_reduce_coalesced", tensors, std::move(steps));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
+                                                  const c10d::BroadcastOptions& opts) {
+  require(tensors.size() == 1, "ddpx: broadcast takes one CPU tensor");
+  if (!local()) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
+  const at::Tensor tensor = tensors[0];
+  const int root = int(opts.rootRank);
+  return on_engine("broadcast", tensors, {[tensor, root](ShmAllreduce& shm) {
+    at::Tensor data = dense(tensor);
+    shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(), root,
+                  "torch.distributed.broadcast");
+    write_back(tensor, data);
+  }});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs,
+                                                  const c10d::AllgatherOptions& opts) {
+  require(inputs.size() == 1 && outputs.size() == 1, "ddpx: all_gather takes one CPU tensor");
+  if (!local()) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
+  const std::vector<at::Tensor> outs = outputs[0];
+  const at::Tensor input = inputs[0];
+  const int world = getSize();
+  return on_engine("all_gather", outs, {[outs, input, world](ShmAllreduce& shm) {
+    const std::string what = "torch.distributed.all_gather";
+    std::string why = same_shape_error(outs, input, what);
+    if (why.empty() && int(outs.size()) != world) {
+      why = "ddpx: " + what + " needs a list of " + std::to_string(world) + " outputs, got " +
+            std::to_string(outs.size());
+    }
+    if (!why.empty()) shm.reject(why, what);
+    const at::Tensor in = dense(input);
+    at::Tensor gathered = at::empty({world * in.numel()}, in.options());
+    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), gathered.data_ptr(), what);
+    for (int r = 0; r < world; ++r) {
+      outs[size_t(r)].copy_(gathered.narrow(0, r * in.numel(), in.numel()).view_as(outs[size_t(r)]));
+    }
+  }});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                        const c10d::AllgatherOptions& opts) {
+  if (!local()) return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
+  return on_engine("all_gather_into_tensor", {output}, {allgather_step(output, input)});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  if (!local()) {
+    return on_gloo("all_gather_into_tensor_coalesced",
+                   gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
+  }
+  require(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
+  std::vector<Step> steps;
+  for (size_t i = 0; i < inputs.size(); ++i) steps.push_back(allgather_step(outputs[i], inputs[i]));
+  return on_engine("all_gather_into_tensor_coalesced", outputs, std::move(steps));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return on_gloo("all_gather_coalesced", gloo_->allgather_coalesced(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  require(inputs.size() == 1 && outputs.size() == 1, "ddpx: reduce_scatter takes one CPU tensor");
+  if (!local()) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
+  const at::Tensor output = outputs[0];
+  const std::vector<at::Tensor> ins = inputs[0];
+  const int world = getSize();
+  const ReduceOp op = opts.reduceOp;
+  return on_engine("reduce_scatter", outputs, {[output, ins, op, world](ShmAllreduce& shm) {
+    const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
+    std::string why = same_shape_error(ins, output, what);
+    if (why.empty() && int(ins.size()) != world) {
+      why = "ddpx: " + what + " needs a list of " + std::to_string(world) + " inputs, got " +
+            std::to_string(ins.size());
+    }
+    if (!why.empty()) shm.reject(why, what);
+    std::vector<at::Tensor> flat;
+    for (const auto& t : ins) flat.push_back(t.reshape(-1));
+    run_reduce_scatter(shm, output, at::cat(flat), op, world, what);
+  }});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  if (!local()) {
+    return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
+  }
+  return on_engine("reduce_scatter_tensor", {output}, {reduce_scatter_step(output, input, opts.reduceOp)});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  if (!local()) {
+    return on_gloo("reduce_scatter_tensor_coalesced",
+                   gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+  }
+  require(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
+  std::vector<Step> steps;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    steps.push_back(reduce_scatter_step(outputs[i], inputs[i], opts.reduceOp));
+  }
+  return on_engine("reduce_scatter_tensor_coalesced", outputs, std::move(steps));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
+  if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
+  return on_engine("barrier", {}, {[](ShmAllreduce& shm) {
+    shm.allgather(nullptr, 0, nullptr, "torch.distributed.barrier");
+  }});
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
+                                               const c10d::ReduceOptions& opts) {
+  return on_gloo("reduce", gloo_->reduce(tensors, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::GatherOptions& opts) {
+  return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ScatterOptions& opts) {
+  return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                      std::vector<int64_t>& output_splits,
+                                                      std::vector<int64_t>& input_splits,
+                                                      const c10d::AllToAllOptions& opts) {
+  return on_gloo("all_to_all_single",
+                 gloo_->alltoall_base(output, input, output_splits, input_splits, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs,
+                                                 std::vector<at::Tensor>& inputs,
+                                                 const c10d::AllToAllOptions& opts) {
+  return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  return on_gloo("send", gloo_->send(tensors, dst, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  return on_gloo("recv", gloo_->recv(tensors, src, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return on_gloo("recv", gloo_->recvAnysource(tensors, tag));
+}
+
+}  // namespace ddpx

@@ -1,0 +1,108 @@
+// ddpx as a torch.distributed backend for CPU tensors ("ddpx", "cpu:ddpx,cuda:nccl"): the
+// collectives that sum or move a group's tensors run on the node's shared-memory engine, and
+// what it does not serve (point-to-point, all-to-all, rooted gathers and reductions, and on a
+// job of several nodes everything but the all-reduce of floating-point sums) goes to an inner
+// gloo backend of the same ranks.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace ddpx {
+
+class Backend final : public c10d::Backend {
+ public:
+  // engine is null where shared memory cannot serve the group (why_not says why): then every
+  // collective goes to gloo.
+  Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
+          std::shared_ptr<ShmEngine> engine, std::string why_not);
+
+  const std::string getBackendName() const override { return "ddpx"; }
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // Which path serves this group, and how many calls of each collective each path took.
+  std::string describe() const;
+  std::map<std::string, std::array<uint64_t, 2>> routes() const;
+
+ private:
+  using Step = std::function<void(ShmAllreduce&)>;
+  // Runs steps in order on the engine's thread; the work completes with outputs after the last.
+  c10::intrusive_ptr<c10d::Work> on_engine(const char* name, std::vector<at::Tensor> outputs,
+                                           std::vector<Step> steps);
+  c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
+  void count(const char* name, int path);
+  bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
+  Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
+  Step reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,
+                           const c10d::ReduceOp& op) const;
+
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::shared_ptr<ShmEngine> engine_;
+  std::string why_not_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::array<uint64_t, 2>> routes_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
+};
+
+}  // namespace ddpx

@@ -1,0 +1,65 @@
+"""ddpx as a torch.distributed backend for CPU tensors, registered as "ddpx" by ``import ddpx``.
+
+    import ddpx
+    dist.init_process_group("ddpx")                 # or "cpu:ddpx,cuda:nccl"
+    group = dist.new_group(ranks, backend="ddpx")
+
+Every collective a job issues, not only DDP's buckets, then runs on the node's shared-memory
+engine (csrc/backend.cpp says which go where); bfloat16 sums too, which gloo refuses. Each group
+holds its own engine, made collectively when the group is made, and an inner gloo of the same
+ranks for what the engine does not serve. ``group._get_backend(torch.device("cpu"))`` is the
+backend: ``describe()`` says which path serves it, ``routes()`` counts each collective's calls
+by path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo
+
+from ddpx._ext import extension
+from ddpx.engine import _Meeting, create_node_engine, lane_groups
+
+__all__ = ["NAME"]
+
+NAME = "ddpx"
+logger = logging.getLogger("ddpx")
+
+
+def _lane_group(store, ranks: list[int], lane: int, timeout, me: int):
+    """A gloo process group of the ranks with this rank's local index on every node, from the
+    group's own store: only they meet to make it, while the group itself is being made."""
+    prefixed = PrefixStore(f"ddpx-lane/{'-'.join(map(str, ranks))}/{lane}/", store)
+    group = ProcessGroup(prefixed, me, len(ranks))
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO,
+                            ProcessGroupGloo(prefixed, me, len(ranks), timeout))
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def _create_backend(options, _backend_options):
+    store, rank, size, timeout = options.store, options.group_rank, options.group_size, \
+        options.timeout
+    ranks = [int(r) for r in options.global_ranks_in_group] or list(range(size))
+    gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
+
+    def across(lane_ranks: list[int]) -> list:
+        me = lane_ranks.index(ranks[rank])
+        return lane_groups(lane_ranks, lambda r, lane: _lane_group(store, r, lane, timeout, me))
+
+    engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout, across)
+    why_not = ""
+    if isinstance(engine, str):
+        engine, why_not = None, engine
+        if rank == 0:
+            logger.warning("ddpx: %s; the ddpx backend runs every collective on gloo", why_not)
+    return extension().Backend(rank, size, gloo, engine, why_not)
+
+
+def register() -> None:
+    """Registers the backend with torch.distributed, once per process."""
+    if not hasattr(dist.Backend, NAME.upper()):
+        dist.Backend.register_backend(NAME, _create_backend, extended_api=True, devices=["cpu"])
