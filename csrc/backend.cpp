@@ -91,6 +91,21 @@ void combine(at::Tensor& into, const at::Tensor& other, const ReduceOp& op) {
   }
 }
 
+// Where the engine reads or writes each rank's part.
+template <class Pointer>
+std::vector<Pointer> pointers(const std::vector<at::Tensor>& parts) {
+  std::vector<Pointer> out;
+  for (const auto& t : parts) out.push_back(t.data_ptr());
+  return out;
+}
+
+// The world parts of the contiguous flat, count elements each.
+std::vector<at::Tensor> parts_of(const at::Tensor& flat, int world, int64_t count) {
+  std::vector<at::Tensor> parts;
+  for (int r = 0; r < world; ++r) parts.push_back(flat.view(-1).narrow(0, r * count, count));
+  return parts;
+}
+
 // Reduces the contiguous `data` in place over the node's ranks with op: all-gathered a chunk at
 // a time, combined in rank order, exactly (as gloo does, integer sums wrapping around).
 void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& op,
@@ -104,7 +119,10 @@ void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& 
     const int64_t todo = std::min(per, numel - lo);
     at::Tensor piece = flat.narrow(0, lo, todo);
     at::Tensor rows = rows_buffer.narrow(0, 0, n * todo).view({n, todo});
-    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(), rows.data_ptr(), what);
+    std::vector<at::Tensor> row_list;
+    for (int r = 0; r < n; ++r) row_list.push_back(rows[r]);
+    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(),
+                  pointers<void*>(row_list).data(), what);
     piece.copy_(rows[0]);
     for (int r = 1; r < n; ++r) combine(piece, rows[r], op);
   }
@@ -143,25 +161,20 @@ std::string same_shape_error(const std::vector<at::Tensor>& outputs, const at::T
   return {};
 }
 
-// The tensor form of reduce_scatter on the node: input holds every rank's part in rank order.
-void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output, const at::Tensor& input,
-                        const ReduceOp& op, int world, const std::string& what) {
-  if (input.numel() != world * output.numel() || output.scalar_type() != input.scalar_type()) {
-    std::ostringstream why;
-    why << "ddpx: " << what << " needs an input of " << world << " x " << output.numel() << " "
-        << output.scalar_type() << " elements (world size x output), got " << input.numel() << " "
-        << input.scalar_type();
-    shm.reject(why.str(), what);
-  }
+// reduce_scatter on the node: output = the reduction over ranks of their parts[me].
+void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
+                        const std::vector<at::Tensor>& parts, const ReduceOp& op, int world,
+                        const std::string& what) {
   at::Tensor out = dense(output);
-  const at::Tensor in = apart_from(dense(input), out, at::Tensor());
-  if (kernel_sum(in, op)) {
-    shm.reduce_scatter(in.data_ptr(), out.data_ptr(), *to_dtype(in.scalar_type()), out.numel(),
-                       sum_scale(op, world), what);
+  std::vector<at::Tensor> ins;
+  for (const auto& part : parts) ins.push_back(apart_from(dense(part), out, at::Tensor()));
+  if (kernel_sum(out, op)) {
+    shm.reduce_scatter(pointers<const void*>(ins).data(), out.data_ptr(),
+                       *to_dtype(out.scalar_type()), out.numel(), sum_scale(op, world), what);
   } else {
-    const std::string why = invalid_reduction(in, op, what);
+    const std::string why = invalid_reduction(out, op, what);
     if (!why.empty()) shm.reject(why, what);
-    at::Tensor all = in.clone();
+    at::Tensor all = at::cat(ins);
     reduce_gathered(shm, all, op, what);
     out.view(-1).copy_(all.narrow(0, int64_t(shm.local_rank()) * out.numel(), out.numel()));
   }
@@ -196,15 +209,30 @@ std::string Backend::describe() const {
                          "the other collectives go to gloo");
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, std::vector<at::Tensor> outputs,
+c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
+                                                  std::vector<at::Tensor> outputs,
                                                   std::vector<Step> steps) {
   count(name, 0);
-  auto future = engine_->submit(
-      [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps)](ShmAllreduce& shm) {
-        for (const Step& step : steps) step(shm);
-        return c10::IValue(outputs);
-      },
-      c10::ListType::create(c10::TensorType::get()));
+  const auto type = c10::ListType::create(c10::TensorType::get());
+  auto run_all = [outputs = c10::List<at::Tensor>(outputs),
+                  steps = std::move(steps)](ShmAllreduce& shm) {
+    for (const Step& step : steps) step(shm);
+    return c10::IValue(outputs);
+  };
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  if (async || coalescing_) {
+    future = engine_->submit(std::move(run_all), type);
+  } else {
+    // The hand-off to the engine's thread and back costs two wake-ups, tens of microseconds.
+    future = c10::make_intrusive<c10::ivalue::Future>(type);
+    c10::IValue result;
+    try {
+      engine_->run([&](ShmAllreduce& shm) { result = run_all(shm); });
+    } catch (...) {
+      future->setError(std::current_exception());
+    }
+    if (!future->completed()) future->markCompleted(std::move(result));
+  }
   auto work = c10::make_intrusive<EngineWork>(std::move(future), c10d::OpType::UNKNOWN);
   if (coalescing_) coalesced_.push_back(work);
   return work;
@@ -255,8 +283,17 @@ Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::T
                                            const ReduceOp& op) const {
   const int world = getSize();
   return [output, input, op, world](ShmAllreduce& shm) {
-    run_reduce_scatter(shm, output, input, op, world,
-                       "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")");
+    const std::string what =
+        "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")";
+    if (input.numel() != world * output.numel() || output.scalar_type() != input.scalar_type()) {
+      std::ostringstream why;
+      why << "ddpx: " << what << " needs an input of " << world << " x " << output.numel() << " "
+          << output.scalar_type() << " elements (world size x output), got " << input.numel()
+          << " " << input.scalar_type();
+      shm.reject(why.str(), what);
+    }
+    run_reduce_scatter(shm, output, parts_of(dense(input), world, output.numel()), op, world,
+                       what);
   };
 }
 
@@ -275,7 +312,8 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(shm.local_rank()) * input.numel(), input.numel());
     const at::Tensor in = apart_from(dense(input), out, own);
-    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), out.data_ptr(), what);
+    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                  pointers<void*>(parts_of(out, world, input.numel())).data(), what);
     write_back(output, out);
   };
 }
@@ -285,7 +323,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
   if (t.layout() == at::kStrided && engine_ && (local() || kernel_sum(t, opts.reduceOp))) {
-    return on_engine("all_reduce", tensors, {allreduce_step(t, opts.reduceOp)});
+    return on_engine("all_reduce", opts.asyncOp, tensors, {allreduce_step(t, opts.reduceOp)});
   }
   return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
 }
@@ -303,7 +341,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
   if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   std::vector<Step> steps;
   for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
-  return on_engine("all_reduce_coalesced", tensors, std::move(steps));
+  return on_engine("all_reduce_coalesced", opts.asyncOp, tensors, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
@@ -312,7 +350,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   if (!local()) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
-  return on_engine("broadcast", tensors, {[tensor, root](ShmAllreduce& shm) {
+  return on_engine("broadcast", opts.asyncOp, tensors, {[tensor, root](ShmAllreduce& shm) {
     at::Tensor data = dense(tensor);
     shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(), root,
                   "torch.distributed.broadcast");
@@ -328,7 +366,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const std::vector<at::Tensor> outs = outputs[0];
   const at::Tensor input = inputs[0];
   const int world = getSize();
-  return on_engine("all_gather", outs, {[outs, input, world](ShmAllreduce& shm) {
+  return on_engine("all_gather", opts.asyncOp, outs, {[outs, input, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.all_gather";
     std::string why = same_shape_error(outs, input, what);
     if (why.empty() && int(outs.size()) != world) {
@@ -336,19 +374,23 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
             std::to_string(outs.size());
     }
     if (!why.empty()) shm.reject(why, what);
-    const at::Tensor in = dense(input);
-    at::Tensor gathered = at::empty({world * in.numel()}, in.options());
-    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), gathered.data_ptr(), what);
+    std::vector<at::Tensor> dense_outs;
+    for (const auto& out : outs) dense_outs.push_back(dense(out));
+    at::Tensor in = dense(input);
     for (int r = 0; r < world; ++r) {
-      outs[size_t(r)].copy_(gathered.narrow(0, r * in.numel(), in.numel()).view_as(outs[size_t(r)]));
+      in = apart_from(in, dense_outs[size_t(r)],
+                      r == shm.local_rank() ? dense_outs[size_t(r)] : at::Tensor());
     }
+    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                  pointers<void*>(dense_outs).data(), what);
+    for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
   }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
   if (!local()) return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
-  return on_engine("all_gather_into_tensor", {output}, {allgather_step(output, input)});
+  return on_engine("all_gather_into_tensor", opts.asyncOp, {output}, {allgather_step(output, input)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
@@ -361,7 +403,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
   require(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
   std::vector<Step> steps;
   for (size_t i = 0; i < inputs.size(); ++i) steps.push_back(allgather_step(outputs[i], inputs[i]));
-  return on_engine("all_gather_into_tensor_coalesced", outputs, std::move(steps));
+  return on_engine("all_gather_into_tensor_coalesced", opts.asyncOp, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
@@ -379,7 +421,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", outputs, {[output, ins, op, world](ShmAllreduce& shm) {
+  return on_engine("reduce_scatter", opts.asyncOp, outputs, {[output, ins, op, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
     std::string why = same_shape_error(ins, output, what);
     if (why.empty() && int(ins.size()) != world) {
@@ -387,9 +429,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
             std::to_string(ins.size());
     }
     if (!why.empty()) shm.reject(why, what);
-    std::vector<at::Tensor> flat;
-    for (const auto& t : ins) flat.push_back(t.reshape(-1));
-    run_reduce_scatter(shm, output, at::cat(flat), op, world, what);
+    run_reduce_scatter(shm, output, ins, op, world, what);
   }});
 }
 
@@ -398,7 +438,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
   if (!local()) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
-  return on_engine("reduce_scatter_tensor", {output}, {reduce_scatter_step(output, input, opts.reduceOp)});
+  return on_engine("reduce_scatter_tensor", opts.asyncOp, {output}, {reduce_scatter_step(output, input, opts.reduceOp)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
@@ -413,13 +453,14 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     steps.push_back(reduce_scatter_step(outputs[i], inputs[i], opts.reduceOp));
   }
-  return on_engine("reduce_scatter_tensor_coalesced", outputs, std::move(steps));
+  return on_engine("reduce_scatter_tensor_coalesced", opts.asyncOp, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
-  return on_engine("barrier", {}, {[](ShmAllreduce& shm) {
-    shm.allgather(nullptr, 0, nullptr, "torch.distributed.barrier");
+  return on_engine("barrier", opts.asyncOp, {}, {[](ShmAllreduce& shm) {
+    const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
+    shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
   }});
 }
 

@@ -502,6 +502,10 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr ty
 }
 
 void ShmEngine::run(at::Tensor tensor, const Request& request) {
+  run([&](ShmAllreduce& shm) { execute(shm, tensor, request); });
+}
+
+void ShmEngine::run(const std::function<void(ShmAllreduce&)>& op) {
   Queue& q = *queue_;
   std::unique_lock<std::mutex> lock(q.mu);
   q.cv.wait(lock, [&] { return q.stopping || (q.jobs.empty() && !q.busy); });
@@ -510,7 +514,7 @@ void ShmEngine::run(at::Tensor tensor, const Request& request) {
   lock.unlock();
   std::exception_ptr error;
   try {
-    execute(*q.shm, tensor, request);
+    op(*q.shm);
   } catch (...) {
     error = std::current_exception();
   }

@@ -79,6 +79,7 @@ class ShmEngine final : public Engine {
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
   // Runs on the calling thread once every earlier asynchronous call has finished.
   void run(at::Tensor tensor, const Request& request) override;
+  void run(const std::function<void(ShmAllreduce&)>& op);
   // Runs op on the communication thread after every earlier call; the future, of `type`, holds
   // what op returns, or its error.
   using Op = std::function<c10::IValue(ShmAllreduce&)>;

@@ -676,18 +676,18 @@ uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
   return step;
 }
 
-void ShmAllreduce::allgather(const void* in, size_t bytes, void* out, const std::string& what) {
+void ShmAllreduce::allgather(const void* in, size_t bytes, void* const* outs,
+                             const std::string& what) {
   const CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
   const size_t block = layout_.block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
   const char* src = static_cast<const char*>(in);
-  char* dst = static_cast<char*>(out);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step =
         exchange(mine, b == 0, [&](char* slot) { std::memcpy(slot, src + lo, count); }, what);
     for (int r = 0; r < layout_.nranks; ++r) {
-      char* part = dst + size_t(r) * bytes + lo;
+      char* part = static_cast<char*>(outs[r]) + lo;
       const char* from = r == me_ ? src + lo : input_slot(r, step);
       if (part != from) std::memcpy(part, from, count);
     }
@@ -712,7 +712,7 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   }
 }
 
-void ShmAllreduce::reduce_scatter(const void* in, void* out, DType dtype, int64_t count,
+void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype, int64_t count,
                                   double scale, const std::string& what) {
   if (count < 0) throw std::invalid_argument("ddpx: negative element count");
   const CallMeta mine =
@@ -725,7 +725,6 @@ void ShmAllreduce::reduce_scatter(const void* in, void* out, DType dtype, int64_
   const int64_t part = int64_t(layout_.block_bytes / (size * size_t(n))) / line * line;
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
   const Store store = size_t(count) * size >= kStreamBytes ? Store::Streaming : Store::Cached;
-  const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
@@ -733,8 +732,9 @@ void ShmAllreduce::reduce_scatter(const void* in, void* out, DType dtype, int64_
     const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
       if (todo <= 0) return;
       for (int r = 0; r < n; ++r) {
-        k.pack(slot + size_t(r * part) * size, dtype, src + size_t(r * count + lo) * size, dtype,
-               todo, scale, Store::Cached);
+        k.pack(slot + size_t(r * part) * size, dtype,
+               static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, scale,
+               Store::Cached);
       }
     }, what);
     if (todo <= 0) continue;

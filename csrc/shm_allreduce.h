@@ -101,13 +101,13 @@ class ShmAllreduce {
   // The collectives that move bytes or sum slices, one node only (they refuse a hierarchical
   // engine). Each goes through in blocks, one synchronisation per block, and is checked against
   // the other ranks' call like allreduce. allgather: every rank's `bytes` bytes of in land at
-  // out + rank * bytes on every rank (in may be out's own part). broadcast: local rank root's
-  // data lands in every rank's. reduce_scatter: out (count elements) = the sum over ranks of
-  // their in[me * count .. (me + 1) * count), each scaled, summed in rank order in float (double
-  // for float64) and rounded once into dtype.
-  void allgather(const void* in, size_t bytes, void* out, const std::string& what);
+  // outs[rank] on every rank (in may be outs[me]). broadcast: local rank root's data lands in
+  // every rank's. reduce_scatter: out (count elements) = the sum over ranks of their ins[me],
+  // each scaled, summed in rank order in float (double for float64) and rounded once into dtype.
+  // outs and ins hold local_size() pointers.
+  void allgather(const void* in, size_t bytes, void* const* outs, const std::string& what);
   void broadcast(void* data, size_t bytes, int root, const std::string& what);
-  void reduce_scatter(const void* in, void* out, DType dtype, int64_t count, double scale,
+  void reduce_scatter(const void* const* ins, void* out, DType dtype, int64_t count, double scale,
                       const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
 
