@@ -16,17 +16,35 @@ __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 class FusedHookState:
     """What the fused hook needs: the engine of ``process_group`` (default: the world) for
     ``device`` buckets, the 1/world_size scale that makes DDP's sum an average, and the wire dtype
-    of ``compression`` (None, "bf16" or "fp16"). Creating it is collective over the group."""
+    of ``compression`` (None, "bf16" or "fp16"). Made where torch.distributed is initialized, it
+    binds to the group at once, collectively; made before (as PyTorch Lightning's
+    ``DDPStrategy(ddp_comm_state=...)`` does), it binds at the first bucket, which every rank
+    reduces in the same order."""
 
-    __slots__ = ("process_group", "compression", "engine", "scale", "wire")
+    __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine")
 
     def __init__(self, process_group=None, compression: str | None = None, *,
                  device: str = "cpu", timeout: timedelta | None = None):
         self.wire = wire_dtype(compression)
         self.compression = compression
-        self.engine = engine_for(process_group, device, timeout)
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.scale = 1.0 / self.process_group.size()
+        self._group, self.device, self.timeout = process_group, device, timeout
+        self._engine = None
+        if dist.is_available() and dist.is_initialized():
+            self._engine = engine_for(process_group, device, timeout)
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            self._engine = engine_for(self._group, self.device, self.timeout)
+        return self._engine
+
+    @property
+    def process_group(self):
+        return self._group if self._group is not None else dist.group.WORLD
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.process_group.size()
 
     def describe(self) -> str:
         """One line naming the communication path in use."""

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 COMM_HOOKS = ("ddpx", "default", "fp16")
+BACKENDS = ("auto", "ddpx")
 
 
 def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
@@ -41,6 +42,11 @@ def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--log_every", type=int, default=10, help="print the loss every N steps")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even with CUDA")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="auto",
+        help="the process group's backend: Accelerate's choice (gloo on CPU, NCCL on GPUs), or "
+             "ddpx's for CPU tensors (with NCCL for CUDA tensors), which every collective of "
+             "the job then uses")
     return parser
 
 
@@ -51,12 +57,18 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     machine without GPUs initializes no process group and every process trains alone (world size 1).
     """
     torch.manual_seed(args.seed)
-    return Accelerator(cpu=args.cpu or not torch.cuda.is_available())
+    cpu = args.cpu or not torch.cuda.is_available()
+    # Accelerate takes no backend of its own on CPU (InitProcessGroupKwargs(backend="ddpx") is
+    # refused as "not available"), and uses the process group it finds initialized.
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.backend == "ddpx" and launched and not dist.is_initialized():
+        dist.init_process_group("ddpx" if cpu else "cpu:ddpx,cuda:nccl")
+    return Accelerator(cpu=cpu)
 
 
 def run_summary(accelerator: Accelerator) -> str:
     """One line: world size, backend and device of this run."""
-    backend = accelerator.state.backend or "none"
+    backend = dist.get_backend() if dist.is_initialized() else "none"
     return f"world size {accelerator.num_processes}, backend {backend}, device {accelerator.device}"
 
 
@@ -75,7 +87,11 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     if name == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
         return "torch fp16_compress_hook"
-    return f"DDP default all-reduce ({dist.get_backend()})"
+    backend = dist.get_backend()
+    if "ddpx" not in backend:
+        return f"DDP default all-reduce ({backend})"
+    path = dist.group.WORLD._get_backend(torch.device("cpu")).describe()
+    return f"DDP default all-reduce ({backend}: {path})"
 
 
 def _two_process_command() -> str:

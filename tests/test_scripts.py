@@ -86,6 +86,17 @@ def test_basic_two_processes(comm_hook):
     check_training(stdout, 2, COMM_PATHS[comm_hook])
 
 
+@pytest.mark.parametrize("comm_hook", ["ddpx", "default"])
+def test_basic_on_the_ddpx_backend(comm_hook):
+    """--backend ddpx: the job's process group is ddpx's, and DDP's own all-reduce (no hook)
+    runs on its shared-memory engine."""
+    stdout = accelerate_launch("basic.py", "--backend", "ddpx", "--comm_hook", comm_hook)
+    path = ("comm path: DDP default all-reduce (ddpx: ddpx shared-memory engine, 2 local ranks"
+            if comm_hook == "default" else COMM_PATHS["ddpx"])
+    check_training(stdout, 2, path)
+    assert "backend ddpx," in stdout, stdout
+
+
 def test_basic_four_processes():
     stdout = accelerate_launch("basic.py", num_processes=4)
     check_training(stdout, 4, COMM_PATHS["ddpx"])

@@ -1,0 +1,134 @@
+"""ddpx in PyTorch Lightning, as its users write it: ``DDPStrategy(process_group_backend="ddpx")``
+and the fused hook as a callback (Lightning's ``ddp_comm_hook`` is for CUDA models only), each on
+2 CPU processes under torchrun, against Lightning's default DDP on gloo: the same final weights,
+and ddpx really on the path. And a FusedHookState made before any process group exists, as
+``DDPStrategy(ddp_comm_state=...)`` makes it, binds when DDP first calls the hook."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+JOB = '''
+import sys
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+import ddpx
+import ddpx.lightning
+
+mode, out = sys.argv[1], sys.argv[2]
+strategy = DDPStrategy(process_group_backend="ddpx") if mode == "backend" else DDPStrategy()
+hook = ddpx.lightning.FusedHook()
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 4))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+model = Net()
+data = torch.Generator().manual_seed(1)
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=data),
+                                         torch.randn(64, 4, generator=data))
+trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[hook] if mode == "callback" else [])
+trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
+if trainer.global_rank == 0:
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "backend": dist.get_backend(),
+                "routes": backend.routes() if mode == "backend" else None,
+                "hook": hook.state.describe() if hook.state is not None else None}, out)
+'''
+
+
+def train(mode: str, tmp_path, source: str = JOB) -> dict:
+    job, out = tmp_path / "job.py", tmp_path / f"{mode}.pt"
+    job.write_text(source)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(job), mode, str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def default(tmp_path_factory):
+    return train("default", tmp_path_factory.mktemp("default"))
+
+
+def assert_same_weights(result: dict, reference: dict) -> None:
+    # 2 ranks: a + b is the same float32 sum whichever path adds it, so the bits match.
+    for mine, theirs in zip(result["params"], reference["params"], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_lightning_on_the_ddpx_backend(default, tmp_path):
+    result = train("backend", tmp_path)
+    assert default["backend"] == "gloo" and result["backend"] == "ddpx"
+    assert_same_weights(result, default)
+    # DDP's gradient all-reduces (5 steps) and Lightning's broadcasts ran on the engine.
+    assert result["routes"]["all_reduce"]["engine"] >= 5, result["routes"]
+    assert result["routes"]["broadcast"]["engine"] > 0, result["routes"]
+    assert all(paths["gloo"] == 0 for paths in result["routes"].values()), result["routes"]
+
+
+def test_lightning_with_the_fused_hook_callback(default, tmp_path):
+    result = train("callback", tmp_path)
+    assert result["hook"] is not None and result["hook"].startswith("ddpx shared-memory engine")
+    assert_same_weights(result, default)
+
+
+LAZY_JOB = '''
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpx
+
+mode, out = sys.argv[1], sys.argv[2]
+state = ddpx.FusedHookState()  # no process group yet
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+if mode == "lazy":
+    model.register_comm_hook(state, ddpx.fused_allreduce_hook)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.Generator().manual_seed(dist.get_rank())
+for _ in range(5):
+    x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+if dist.get_rank() == 0:
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "hook": state.describe() if mode == "lazy" else None}, out)
+dist.destroy_process_group()
+'''
+
+
+def test_a_hook_state_made_before_the_process_group_binds_at_the_first_bucket(tmp_path):
+    reference = train("default", tmp_path, LAZY_JOB)
+    result = train("lazy", tmp_path, LAZY_JOB)
+    assert result["hook"].startswith("ddpx shared-memory engine, 2 local ranks")
+    assert_same_weights(result, reference)
