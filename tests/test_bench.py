@@ -82,6 +82,15 @@ def ddpx_built() -> bool:
     return hasattr(ddpx, "all_reduce")
 
 
+def ddpx_backend_registered() -> bool:
+    """Whether `import ddpx` registers the torch.distributed backend "ddpx"."""
+    if not ddpx_built():
+        return False
+    import torch.distributed as dist
+
+    return "ddpx" in dist.Backend.backend_list
+
+
 def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict, str]:
     """Run ddpx-bench on `world_sizes` ranks as a user would; its JSON document and stdout."""
     json_path, png_path = tmp_path / "out" / "bench.json", tmp_path / "out" / "bench.png"
@@ -141,6 +150,58 @@ def test_allreduce(tmp_path):
     assert "load: none (idle)" in stdout
     assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
+
+
+def test_collectives(tmp_path):
+    collectives = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                   "all_gather", "reduce_scatter", "barrier"]
+    sizes = [4096, 64 * 1024]
+    options = "--sizes 4K,64K --iters 2 --min_time 0.02 --warmup 1".split()
+    document, stdout = run_bench(tmp_path, "collectives", *options,
+                                 "--collectives", ",".join(collectives))
+
+    engines = ["gloo", "ddpx"] if ddpx_backend_registered() else ["gloo"]
+    if not ddpx_backend_registered():
+        assert "registers no torch.distributed backend" in document["left_out"]["ddpx"]
+    fused = ["ddpx.all_reduce"] if ddpx_built() else []
+    rows = {(row["collective"], row["size_bytes"], row["engine"]): row for row in document["rows"]}
+    # The barrier moves no data: one cell, without a size.
+    cells = [(c, size) for c in collectives for size in ([None] if c == "barrier" else sizes)]
+    assert sorted(rows, key=str) == sorted(
+        ((c, size, engine) for c, size in cells
+         for engine in engines + (fused if c == "all_reduce" else [])), key=str)
+    for (collective, size, engine), row in rows.items():
+        assert row["world_size"] == 2
+        check_times(row)
+        gloo = rows[collective, size, "gloo"]
+        assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
+        if collective == "barrier":
+            assert row["check"] == "barrier" and row["output_bytes"] is None
+        else:
+            expected_output = {"all_gather_into_tensor": 2 * size, "all_gather": 2 * size,
+                               "reduce_scatter_tensor": size // 2, "reduce_scatter": size // 2}
+            assert row["output_bytes"] == expected_output.get(collective, size)
+            assert 0 <= row["max_abs_error"] <= row["tolerance"]
+            if row["check"] == "exact":
+                assert row["max_abs_error"] == 0
+        if engine == "ddpx":
+            # Served by ddpx's shared-memory engine, not its gloo fallback.
+            assert row["served_by"]["engine"] > 0, row["routes"]
+        else:
+            assert row["routes"] is row["served_by"] is None
+        if collective == "all_reduce" and engine != "gloo":
+            assert row["ranks_identical"]
+        if engine == "ddpx.all_reduce" and "ddpx" in engines:
+            ddpx_ms = rows[collective, size, "ddpx"]["median_ms"]
+            assert row["x_vs_ddpx"] == pytest.approx(ddpx_ms / row["median_ms"])
+    assert "gloo ms" in stdout and "ddpx.all_reduce ms" in stdout and "gloo/ddpx" in stdout
+    assert "output world x size" in stdout and "output size / world" in stdout
+    if "ddpx" in engines:
+        assert re.search(r"note: ddpx backend on 2 ranks: ", stdout), stdout
+    table = [line for line in stdout.splitlines() if line.split()[:1] == ["2"]]
+    assert len(table) == len(cells)
+    assert all(line.split()[1] == collective for line, (collective, _) in zip(table, cells,
+                                                                               strict=True))
 
 
 @pytest.mark.skipif(bool(missing_peers()), reason=f"needs {', '.join(missing_peers())}: "
@@ -273,12 +334,12 @@ def test_options_that_cannot_run_together_are_refused(options, message):
     assert message in done.stderr
 
 
-def test_help_lists_the_three_modes():
+def test_help_lists_the_four_modes():
     done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ddpx-bench ")
-    assert "{allreduce,train,accuracy}" in done.stdout
-    for mode in ("allreduce", "train", "accuracy"):
+    assert "{allreduce,collectives,train,accuracy}" in done.stdout
+    for mode in ("allreduce", "collectives", "train", "accuracy"):
         assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
 
 

@@ -29,6 +29,7 @@ from ddpx.bench.common import (
     random_input,
     say,
     slowest_rank_stats,
+    timed_in_turns,
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
@@ -237,17 +238,7 @@ class _CopyFloor:
 
 def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[dict]:
     errors = _check_engines(size, engines, args.seed, count_bytes=nodes > 1)
-    zeros = torch.zeros(size // 4)
-    per_call = {
-        name: _seconds_per_call(engine, zeros, args.warmup) for name, engine in engines.items()
-    }
-    calls = {name: max(1, round(args.min_time / args.iters / per_call[name])) for name in engines}
-    expected = sum(max(args.min_time, args.iters * seconds) for seconds in per_call.values())
-    progress(f"{cell}: timing, about {expected:.1f} s")
-    samples = {name: [] for name in engines}
-    for _ in range(args.iters):
-        for name, engine in engines.items():
-            samples[name].append(_timed_batch(engine, zeros, calls[name]))
+    samples, calls = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
     rows = []
     for name in engines:
         stats = slowest_rank_stats(samples[name])
@@ -310,21 +301,6 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
             "inter_node_bytes": sent,
         }
     return errors
-
-
-def _seconds_per_call(engine, tensor: torch.Tensor, calls: int) -> float:
-    """The slowest rank's mean over `calls` calls: the same on every rank, so they plan alike."""
-    seconds = torch.tensor([_timed_batch(engine, tensor, calls)])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return seconds.item()
-
-
-def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        engine(tensor)
-    return (time.perf_counter() - start) / calls
 
 
 def link_bound_ms(row: dict, bits_per_s: float) -> float:

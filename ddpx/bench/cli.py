@@ -1,14 +1,16 @@
 """Benchmark ddpx against gloo and the other CPU all-reduces on one machine: the all-reduce alone,
-a DDP training step, accuracy.
+the torch.distributed collectives through ddpx's backend, a DDP training step, accuracy.
 
 Run everything: ddpx-bench spawns the ranks of each of --world_sizes (default 2,4) itself, gloo
 over a FileStore in a temporary folder, one thread per rank, and they end with it (on an error,
 Ctrl-C, or even SIGKILL). The table goes to stdout, progress to stderr. On 2 cores, about 1.5
 minutes for allreduce (more with the peers) and 2.5 for train; accuracy (default world sizes 4,8)
-takes about a minute. The peers that allreduce compares with, OpenMPI (through mpi4py) and
-DeepSpeed, are optional: `pip install -e ".[peers]"`. `python -m ddpx.bench` is the same command.
+takes about a minute; collectives at least one (54 engines and cells of --min_time 1 s each).
+The peers that allreduce compares with, OpenMPI (through mpi4py) and DeepSpeed, are optional:
+`pip install -e ".[peers]"`. `python -m ddpx.bench` is the same command.
 
     ddpx-bench allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
+    ddpx-bench collectives --json bench_out/collectives.json --plot bench_out/collectives.png
     ddpx-bench train --json bench_out/train.json --plot bench_out/train.png
     ddpx-bench accuracy --json bench_out/accuracy.json --plot bench_out/accuracy.png
 
@@ -17,6 +19,8 @@ Smaller runs:
     ddpx-bench allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
     ddpx-bench allreduce --world_sizes 4 --nodes 2    # as if on two machines
     ddpx-bench allreduce --sizes 4K,1M --engines gloo,ddpx,mpi,deepspeed,copy
+    ddpx-bench collectives --world_sizes 2 --sizes 4K,64K --iters 3 --min_time 0.05
+    ddpx-bench collectives --collectives all_reduce,all_gather,reduce_scatter,barrier
     ddpx-bench train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
 
@@ -70,6 +74,32 @@ hierarchically as on N machines, and the table adds the bytes ddpx's engines sen
 call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for
 an all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
 
+collectives: each of --collectives called through torch.distributed, on the gloo world and on a
+group of the same ranks with ddpx's backend (`import ddpx` registers it: dist.new_group(ranks,
+backend="ddpx")), in the same processes, for float32 inputs of each of --sizes (default
+64K,1M,25M) on each of --world_sizes: `all_reduce` (an in-place sum; also by ddpx.all_reduce, the
+engine's own API, as a third engine), `all_gather_into_tensor` and `all_gather` (the list form;
+every rank's input of `size` bytes, an output of world size x size), `reduce_scatter_tensor` and
+`reduce_scatter` (the list form; an input of `size` bytes, an output of size / world size, left
+out where the input does not split evenly), `broadcast` (from rank 0) and `barrier` (no data: one
+cell per world size). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
+broadcast. all_gather_into_tensor and reduce_scatter_tensor are called as all_gather_single and
+reduce_scatter_single where torch has those (the same calls, without a deprecation warning). In
+each cell (world size, collective, size), as for allreduce:
+  - each engine runs it once on random inputs, and every rank's result is compared with the
+    reference: a float64 sum for all_reduce and the reduce_scatters (within allreduce's
+    tolerance; ddpx's all-reduces must also give every rank the same bits), the inputs themselves,
+    bit for bit, for the gathers and broadcast; for the barrier, the last rank enters it 10 ms
+    late and no rank may leave it before. A wrong result stops the run with exit status 1;
+  - then the engines take turns timing it on zero-filled inputs, --iters samples each, a sample
+    the slowest rank's mean time per call in a batch begun right after a barrier.
+Reported per cell: each engine's median in ms; gloo/ddpx = gloo's median / ddpx's (bigger: ddpx
+faster); ddpx/ddpx.all_reduce = the ddpx backend's median / ddpx.all_reduce's (bigger: the engine's
+own API faster); and which path served the ddpx backend's calls of the cell, from its routes()
+(`engine`, `gloo`, or both with their counts); the JSON holds p10-p90 and the counts. A footer
+says what the sizes mean, the notes the path (describe()) of the ddpx backend and of
+ddpx.all_reduce. Where ddpx registers no backend, the ddpx column is left out with a note.
+
 train: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
 all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
@@ -108,6 +138,7 @@ import torch.multiprocessing as mp
 from ddpx import testbed
 from ddpx.bench.accuracy import METHODS
 from ddpx.bench.allreduce import ENGINES, SCHEDULES
+from ddpx.bench.collectives import COLLECTIVES, DEFAULT_COLLECTIVES
 from ddpx.bench.common import MPI_WORKDIR
 from ddpx.bench.launch import launched, mpirun_rank, on_testbed, spawned
 from ddpx.bench.report import report
@@ -139,19 +170,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, from {','.join(ENGINES)} (default all but "
         f"{', '.join(SCHEDULES)})",
     )
-    allreduce.add_argument(
-        "--iters", type=int, default=20, help="timed samples per engine and cell"
-    )
+    _timing_options(allreduce)
     _node_options(allreduce)
-    allreduce.add_argument(
-        "--min_time",
-        type=float,
-        default=1.0,
-        help="seconds the samples of one engine and cell last at least",
+
+    collectives = modes.add_parser(
+        "collectives",
+        parents=[common],
+        help="time the torch.distributed collectives on gloo and on ddpx's backend",
     )
-    allreduce.add_argument(
-        "--warmup", type=int, default=3, help="calls per engine and cell that size its batches"
+    collectives.add_argument(
+        "--sizes",
+        type=_size_list,
+        default=_size_list("64K,1M,25M"),
+        help="comma-separated sizes of each rank's input in bytes, K/M/G suffixes "
+        "(default 64K,1M,25M)",
     )
+    collectives.add_argument(
+        "--collectives",
+        type=_choice_list(COLLECTIVES),
+        default=list(DEFAULT_COLLECTIVES),
+        help=f"comma-separated, from {','.join(COLLECTIVES)} (default "
+        f"{','.join(DEFAULT_COLLECTIVES)})",
+    )
+    _timing_options(collectives)
 
     train = modes.add_parser("train", parents=[common], help="time DDP training steps")
     train.add_argument(
@@ -193,6 +234,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nodes is None:
         args.nodes = 2 if args.link else 1
     return args
+
+
+def _timing_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--iters", type=int, default=20, help="timed samples per engine and cell")
+    parser.add_argument(
+        "--min_time",
+        type=float,
+        default=1.0,
+        help="seconds the samples of one engine and cell last at least",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="calls per engine and cell that size its batches"
+    )
 
 
 def _node_options(parser: argparse.ArgumentParser) -> None:

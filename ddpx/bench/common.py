@@ -4,6 +4,7 @@ in, and the helpers that the ranks of every mode run alike."""
 import hashlib
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,43 @@ def random_input(seed: int, rank: int, numel: int, normal: bool = False) -> torc
     if normal:
         return torch.randn(numel, generator=generator)
     return torch.rand(numel, generator=generator) * 2 - 1
+
+
+def timed_in_turns(engines: dict, tensor: torch.Tensor, args, cell: str) -> tuple[dict, dict]:
+    """Time each of `engines` (name -> a call on `tensor`), the engines taking turns sample by
+    sample so that they share the machine's conditions: name -> this rank's --iters samples
+    (slowest_rank_stats makes them the slowest rank's), and name -> calls per sample.
+
+    A sample is the mean time per call of a batch of calls begun right after a barrier; an
+    engine's batches are sized, by the slowest rank's mean over --warmup calls, so that its samples
+    last --min_time seconds together.
+    """
+    per_call = {
+        name: _seconds_per_call(engine, tensor, args.warmup) for name, engine in engines.items()
+    }
+    calls = {name: max(1, round(args.min_time / args.iters / per_call[name])) for name in engines}
+    expected = sum(max(args.min_time, args.iters * seconds) for seconds in per_call.values())
+    progress(f"{cell}: timing, about {expected:.1f} s")
+    samples = {name: [] for name in engines}
+    for _ in range(args.iters):
+        for name, engine in engines.items():
+            samples[name].append(_timed_batch(engine, tensor, calls[name]))
+    return samples, calls
+
+
+def _seconds_per_call(engine, tensor: torch.Tensor, calls: int) -> float:
+    """The slowest rank's mean over `calls` calls: the same on every rank, so they plan alike."""
+    seconds = torch.tensor([_timed_batch(engine, tensor, calls)])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return seconds.item()
+
+
+def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        engine(tensor)
+    return (time.perf_counter() - start) / calls
 
 
 def slowest_rank_stats(seconds: list[float]) -> dict:

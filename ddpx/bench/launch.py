@@ -30,6 +30,7 @@ from ddpx.bench.allreduce import (
     prebuild_deepspeed_op,
     why_no_mpi,
 )
+from ddpx.bench.collectives import bench_collectives
 from ddpx.bench.common import MPI_WORKDIR, THREADS_PER_RANK, say
 from ddpx.bench.train import bench_train
 
@@ -243,7 +244,8 @@ def cpu_load(per_core: int):
 def _run_rank(args) -> dict:
     torch.set_num_threads(THREADS_PER_RANK)
     try:
-        modes = {"allreduce": bench_allreduce, "train": bench_train, "accuracy": bench_accuracy}
+        modes = {"allreduce": bench_allreduce, "collectives": bench_collectives,
+                 "train": bench_train, "accuracy": bench_accuracy}
         result = modes[args.mode](args)
         dist.barrier()  # the load, if any, stops after the last rank is done
         return result

@@ -16,6 +16,8 @@ from ddpx.bench.common import PEERS, THREADS_PER_RANK, format_size
 
 TIMING = {
     "allreduce": "a sample: the slowest rank's mean time per call in a batch begun after a barrier",
+    "collectives": "a sample: the slowest rank's mean time per call in a batch begun after a "
+    "barrier",
     "train": "a sample: the slowest rank's time for one step begun after a barrier",
 }
 ERRORS = (
@@ -43,7 +45,8 @@ def report(args, argv: list[str], result: dict) -> None:
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plots = {"allreduce": plot_allreduce, "train": plot_train, "accuracy": plot_accuracy}
+        plots = {"allreduce": plot_allreduce, "collectives": plot_collectives,
+                 "train": plot_train, "accuracy": plot_accuracy}
         plots[args.mode](document["rows"], args.plot)
 
 
@@ -93,7 +96,8 @@ def format_report(document: dict) -> str:
     lines += [f"note: {', '.join(names)} left out: {why}" for why, names in left_out.items()]
     lines += [f"note: {note}" for note in document["notes"]]
     lines.append("")
-    tables = {"allreduce": _allreduce_table, "train": _train_table, "accuracy": _accuracy_table}
+    tables = {"allreduce": _allreduce_table, "collectives": _collectives_table,
+              "train": _train_table, "accuracy": _accuracy_table}
     table = tables[document["mode"]]
     lines += table(document["rows"])
     return "\n".join(lines)
@@ -148,6 +152,51 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
 def _megabytes(row: dict) -> str:
     sent = row.get("inter_node_bytes")
     return "-" if sent is None else f"{sent / 1e6:.3f}"
+
+
+def _collectives_table(rows: list[dict]) -> list[str]:
+    """One line per cell (world size, collective, size): each engine's median side by side."""
+    fused = "ddpx.all_reduce"
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["world_size"], row["collective"], row["size_bytes"]), {})[
+            row["engine"]
+        ] = row
+    header = (
+        f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
+        f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  ddpx served by"
+    )
+    lines = [header, "-" * len(header)]
+    for (world_size, collective, size), engines in cells.items():
+        gloo, ddpx, by_fused = (engines.get(name) for name in ("gloo", "ddpx", fused))
+        lines.append(
+            f"{world_size:>5}  {collective:<22}  "
+            f"{'-' if size is None else format_size(size):>6}  "
+            f"{_ms(gloo['median_ms']):>9}  {_ms(ddpx and ddpx['median_ms']):>9}  "
+            f"{_ms(by_fused and by_fused['median_ms']):>18}  "
+            f"{_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
+            f"{_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  {_served(ddpx)}"
+        )
+    lines += [
+        "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
+        "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
+        "from rank 0; barrier: no data",
+        "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
+        "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
+        "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, timed) "
+        "on its engine and through gloo",
+    ]
+    return lines
+
+
+def _served(row: dict | None) -> str:
+    if row is None or row.get("served_by") is None:
+        return "-"
+    counts = row["served_by"]
+    paths = [path for path, count in counts.items() if count]
+    if len(paths) == 1:
+        return paths[0]
+    return ", ".join(f"{path} {count}" for path, count in counts.items()) if paths else "none"
 
 
 def _train_table(rows: list[dict]) -> list[str]:
@@ -242,6 +291,55 @@ def plot_allreduce(rows: list[dict], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("ms per all-reduce (median, p10-p90)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_collectives(rows: list[dict], path: Path) -> None:
+    """Median time against size, log-log, per collective: a line per engine and world size; the
+    barrier's against the world size."""
+    plt = _pyplot()
+    collectives = list(dict.fromkeys(row["collective"] for row in rows))
+    columns = min(3, len(collectives))
+    grid_rows = -(-len(collectives) // columns)
+    lines = ("-", "--", ":", "-.")  # one per world size
+    figure, axes = plt.subplots(
+        grid_rows, columns, figsize=(6 * columns, 4.5 * grid_rows), squeeze=False
+    )
+    world_sizes = sorted({row["world_size"] for row in rows})
+    engines = list(dict.fromkeys(row["engine"] for row in rows))
+    for ax, collective in zip(axes.flat, collectives, strict=False):
+        barrier = collective == "barrier"
+        for color, engine in enumerate(engines):
+            series = world_sizes if not barrier else [None]
+            for line, world_size in enumerate(series):
+                cells = [
+                    row for row in rows
+                    if (row["collective"], row["engine"]) == (collective, engine)
+                    and world_size in (None, row["world_size"])
+                ]
+                if not cells:
+                    continue
+                x = [row["world_size" if barrier else "size_bytes"] for row in cells]
+                label = engine if barrier else f"{engine}, {world_size} ranks"
+                ax.plot(x, [row["median_ms"] for row in cells], lines[line % len(lines)],
+                        marker="o", color=f"C{color}", label=label)
+                low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+                ax.fill_between(x, low, high, color=f"C{color}", alpha=0.2)
+        if barrier:
+            ax.set(yscale="log", title="barrier", xlabel="ranks")
+            ax.set_xticks(world_sizes)
+        else:
+            sizes = sorted({row["size_bytes"] for row in rows if row["collective"] == collective})
+            ax.set(xscale="log", yscale="log", title=collective,
+                   xlabel="bytes of each rank's input")
+            ax.set_xticks(sizes, [format_size(size) for size in sizes])
+            ax.minorticks_off()
+        ax.set_ylabel("ms per call (median, p10-p90)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(collectives):]:
+        ax.set_visible(False)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

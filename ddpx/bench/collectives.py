@@ -1,0 +1,301 @@
+"""`ddpx-bench collectives`: the torch.distributed collectives on the gloo world and on a group of
+the same ranks with ddpx's backend (the all-reduce also by ddpx.all_reduce), each checked against
+a reference, then timed in turns, cell by cell; the calls ddpx's backend served by its engine and
+by gloo (its routes())."""
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddpx
+from ddpx.bench.common import (
+    UNIT_ROUNDOFF,
+    add_if_it_works,
+    format_size,
+    node_count,
+    progress,
+    random_input,
+    same_on_all_ranks,
+    slowest_rank_stats,
+    timed_in_turns,
+)
+from ddpx.engine import engine_for
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "barrier",
+)
+DEFAULT_COLLECTIVES = COLLECTIVES[:4]
+# ddpx's own all-reduce, beside torch.distributed.all_reduce on ddpx's group.
+FUSED = "ddpx.all_reduce"
+# The collectives whose result is a sum (checked against a float64 one, within a tolerance); the
+# others' are copies of the inputs (checked for exact equality).
+SUMS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
+# How long the last rank waits before it enters the barrier that is checked: no rank may leave it
+# before.
+BARRIER_DELAY_S = 0.01
+# torch.distributed's names for the single-tensor forms where it has them (torch 2.10+): the same
+# calls as all_gather_into_tensor and reduce_scatter_tensor, without their deprecation warning.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def bench_collectives(args) -> dict:
+    left_out, notes = {}, []
+    world_size, nodes = dist.get_world_size(), node_count()
+    group, backend = _ddpx_group(left_out)
+    engines = {"gloo": None, **({"ddpx": group} if group is not None else {})}
+    fused = {}
+    if "all_reduce" in args.collectives:
+        add_if_it_works(fused, FUSED, ddpx.all_reduce, left_out)
+    cells = []
+    for collective in args.collectives:
+        for size in [None] if collective == "barrier" else args.sizes:
+            if collective in ("reduce_scatter_tensor", "reduce_scatter") and size // 4 % world_size:
+                left_out[f"{collective} of {format_size(size)} on {world_size} ranks"] = (
+                    "its float32 input does not split evenly over the ranks"
+                )
+                continue
+            cells.append((collective, size))
+    rows, started = [], time.perf_counter()
+    for index, (collective, size) in enumerate(cells):
+        cell_engines = {**engines, **(fused if collective == "all_reduce" else {})}
+        cell = (
+            f"world {world_size}, {collective}"
+            + ("" if size is None else f" of {format_size(size)}")
+            + f" (cell {index + 1}/{len(cells)})"
+        )
+        progress(
+            f"{cell}: checking {', '.join(cell_engines)}; "
+            f"{time.perf_counter() - started:.0f} s elapsed"
+        )
+        rows += _bench_cell(collective, size, cell_engines, backend, args, cell, nodes)
+    # Which path serves ddpx's group, and ddpx.all_reduce's (the world's engine), in this run.
+    if backend is not None:
+        notes.append(f"ddpx backend on {world_size} ranks: {backend.describe()}")
+    if fused:
+        notes.append(f"{FUSED} on {world_size} ranks: {engine_for().describe()}")
+    return {"rows": rows, "left_out": left_out, "notes": notes, "failures": []}
+
+
+def _ddpx_group(left_out: dict):
+    """A group of every rank with ddpx's torch.distributed backend beside the gloo world, and its
+    CPU backend; (None, None), and why in `left_out`, where this ddpx registers no backend."""
+    if "ddpx" not in dist.Backend.backend_list:
+        left_out["ddpx"] = "this build of ddpx registers no torch.distributed backend 'ddpx'"
+        return None, None
+    group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
+    return group, group._get_backend(torch.device("cpu"))
+
+
+def _call(collective: str, engine: str, group, numel: int):
+    """The call that the engine `engine` makes of `collective` over `group` with `numel` float32
+    elements per rank: a function of this rank's input that returns the result (a list of
+    tensors for all_gather, None for the barrier). The output buffers are made here, once: the
+    timed calls reuse them."""
+    world_size = dist.get_world_size()
+    if engine == FUSED:
+        return ddpx.all_reduce
+    if collective == "all_reduce":
+        def call(tensor):
+            dist.all_reduce(tensor, group=group)
+            return tensor
+    elif collective == "broadcast":
+        def call(tensor):
+            dist.broadcast(tensor, src=0, group=group)  # the groups span every rank: 0 is 0
+            return tensor
+    elif collective == "all_gather_into_tensor":
+        output = torch.empty(world_size * numel)
+
+        def call(tensor):
+            _ALL_GATHER_SINGLE(output, tensor, group=group)
+            return output
+    elif collective == "all_gather":
+        outputs = [torch.empty(numel) for _ in range(world_size)]
+
+        def call(tensor):
+            dist.all_gather(outputs, tensor, group=group)
+            return outputs
+    elif collective == "reduce_scatter_tensor":
+        output = torch.empty(numel // world_size)
+
+        def call(tensor):
+            _REDUCE_SCATTER_SINGLE(output, tensor, group=group)
+            return output
+    elif collective == "reduce_scatter":
+        output, chunks = torch.empty(numel // world_size), _Chunks(world_size)
+
+        def call(tensor):
+            dist.reduce_scatter(output, chunks(tensor), group=group)
+            return output
+    elif collective == "barrier":
+        def call(tensor):
+            dist.barrier(group=group)
+    else:
+        raise ValueError(f"internal: unknown collective {collective}")
+    return call
+
+
+class _Chunks:
+    """The list form's input: a tensor's `parts` equal views, made once per tensor, so that the
+    timed calls do not make them again."""
+
+    def __init__(self, parts: int):
+        self.parts, self.tensor, self.chunks = parts, None, []
+
+    def __call__(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if tensor is not self.tensor:
+            self.tensor, self.chunks = tensor, list(tensor.chunk(self.parts))
+        return self.chunks
+
+
+def _bench_cell(collective: str, size: int | None, engines: dict, backend, args, cell: str,
+                nodes: int) -> list[dict]:
+    world_size = dist.get_world_size()
+    numel = 0 if size is None else size // 4
+    calls = {name: _call(collective, name, group, numel) for name, group in engines.items()}
+    served_before = backend.routes() if "ddpx" in engines else None
+    checks = _check_engines(collective, size, calls, args.seed, nodes)
+    samples, per_sample = timed_in_turns(calls, torch.zeros(numel), args, cell)
+    routes = _routes_since(served_before, backend.routes()) if "ddpx" in engines else None
+    output_bytes = {
+        "all_gather_into_tensor": world_size * numel * 4,
+        "all_gather": world_size * numel * 4,
+        "reduce_scatter_tensor": numel // world_size * 4,
+        "reduce_scatter": numel // world_size * 4,
+        "barrier": None,
+    }.get(collective, size)
+    rows = []
+    for name in engines:
+        rows.append(
+            {
+                "world_size": world_size,
+                "nodes": nodes,
+                "collective": collective,
+                "size_bytes": size,
+                "output_bytes": output_bytes,
+                "engine": name,
+                **slowest_rank_stats(samples[name]),
+                "calls_per_sample": per_sample[name],
+                "samples": args.iters,
+                **checks[name],
+                # This rank's calls of the cell (check, sizing and timed) that ddpx's backend
+                # ran on its engine and through gloo: its routes() before and after.
+                "routes": routes if name == "ddpx" else None,
+                "served_by": _served_by(routes) if name == "ddpx" else None,
+            }
+        )
+    medians = {row["engine"]: row["median_ms"] for row in rows}
+    for row in rows:
+        row["x_vs_gloo"] = medians["gloo"] / row["median_ms"]
+        row["x_vs_ddpx"] = medians["ddpx"] / row["median_ms"] if "ddpx" in medians else None
+    return rows
+
+
+def _check_engines(collective: str, size: int | None, calls: dict, seed: int,
+                   nodes: int) -> dict:
+    """Run the collective once on random inputs with each engine and compare every rank's result
+    with the reference: within a float64 sum's tolerance for the sums, bit for bit for the
+    copies; raise on every rank if any is off."""
+    if collective == "barrier":
+        return {name: _check_barrier(name, call, nodes) for name, call in calls.items()}
+    world_size, rank, numel = dist.get_world_size(), dist.get_rank(), size // 4
+    inputs = [random_input(seed, other, numel) for other in range(world_size)]
+    if collective in SUMS:
+        expected = torch.zeros(numel, dtype=torch.float64)
+        for tensor in inputs:
+            expected += tensor
+        if collective != "all_reduce":
+            expected = expected.chunk(world_size)[rank]
+        # As for ddpx-bench allreduce: inputs in [-1, 1), world_size + 1 roundings of at most
+        # u * world_size each.
+        tolerance = (world_size + 1) * UNIT_ROUNDOFF[None] * world_size
+    else:
+        gathered = collective.startswith("all_gather")
+        expected = (torch.cat(inputs) if gathered else inputs[0]).double()
+        tolerance = 0.0
+    checks = {}
+    for name, call in calls.items():
+        result = call(inputs[rank].clone())
+        if isinstance(result, list):
+            result = torch.cat(result)
+        if result.shape == expected.shape:
+            error = (result.double() - expected).abs().max().item()
+        else:
+            error = math.inf
+        error = torch.tensor([error]).nan_to_num(nan=math.inf)
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+        if not error.item() <= tolerance:
+            bound = f"tolerance {tolerance:.3g}" if tolerance else "0 (exact)"
+            raise RuntimeError(
+                f"{name} returned a wrong result for {collective} of {format_size(size)} on "
+                f"{world_size} ranks: max abs error {error.item():.3g} > {bound}"
+            )
+        checks[name] = {
+            "check": "sum" if collective in SUMS else "exact",
+            "max_abs_error": error.item(),
+            "tolerance": tolerance,
+        }
+        if collective == "all_reduce":
+            # ddpx sums in rank order: every rank gets the same bits.
+            checks[name]["ranks_identical"] = same_on_all_ranks([result])
+            if name != "gloo" and not checks[name]["ranks_identical"]:
+                raise RuntimeError(
+                    f"{name}'s all_reduce of {format_size(size)} on {world_size} ranks gave the "
+                    "ranks different bits"
+                )
+    return checks
+
+
+def _check_barrier(name: str, call, nodes: int) -> dict:
+    """The last rank enters the barrier BARRIER_DELAY_S late: raise on every rank if any left it
+    before the last one entered (one machine's monotonic clock, so one node only)."""
+    unchecked = {"check": None, "max_abs_error": None, "tolerance": None}
+    if nodes > 1:
+        return unchecked
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    last = world_size - 1
+    dist.barrier()
+    if rank == last:
+        time.sleep(BARRIER_DELAY_S)
+    entered = time.monotonic()
+    call(None)
+    left = time.monotonic()
+    # The last rank's entry and, negated, the earliest exit.
+    times = torch.tensor([entered if rank == last else -math.inf, -left], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    early = times[0].item() + times[1].item()
+    if early > 0:
+        raise RuntimeError(
+            f"{name}'s barrier on {world_size} ranks let a rank leave {early * 1e3:.3f} ms before "
+            f"rank {last} entered it"
+        )
+    return {**unchecked, "check": "barrier"}
+
+
+def _routes_since(before: dict, after: dict) -> dict:
+    """The calls served since `before`, of routes() {collective: {"engine": n, "gloo": m}}: those
+    that changed only."""
+    since = {}
+    for collective, counts in after.items():
+        earlier = before.get(collective, {})
+        changed = {path: count - earlier.get(path, 0) for path, count in counts.items()}
+        if any(changed.values()):
+            since[collective] = changed
+    return since
+
+
+def _served_by(routes: dict) -> dict:
+    """The calls of `routes` by path, over the collectives: {"engine": n, "gloo": m}."""
+    totals = {"engine": 0, "gloo": 0}
+    for counts in routes.values():
+        for path, count in counts.items():
+            totals[path] = totals.get(path, 0) + count
+    return totals
