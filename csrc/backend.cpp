@@ -51,6 +51,14 @@ const char* op_name(const ReduceOp& op) {
   return names[std::min<int>(op.op_, ReduceOp::UNUSED)];
 }
 
+// What a sum of dtype data travels in: its own dtype, unless that would round an input (a
+// scaled 16-bit float) or a node's partial sum before it crosses to the other nodes; then float32,
+// so the result is rounded once, at the end.
+DType wire_for(DType dtype, double scale, bool spans_nodes) {
+  const bool narrow = dtype == DType::BFloat16 || dtype == DType::Float16;
+  return narrow && (scale != 1.0 || spans_nodes) ? DType::Float32 : dtype;
+}
+
 // Every input's scale before the sum: 1/world for AVG, the factor for PREMUL_SUM.
 double sum_scale(const ReduceOp& op, int world) {
   if (op.op_ == ReduceOp::AVG) return 1.0 / world;
@@ -169,8 +177,10 @@ void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
   std::vector<at::Tensor> ins;
   for (const auto& part : parts) ins.push_back(apart_from(dense(part), out, at::Tensor()));
   if (kernel_sum(out, op)) {
-    shm.reduce_scatter(pointers<const void*>(ins).data(), out.data_ptr(),
-                       *to_dtype(out.scalar_type()), out.numel(), sum_scale(op, world), what);
+    const DType dtype = *to_dtype(out.scalar_type());
+    const double scale = sum_scale(op, world);
+    shm.reduce_scatter(pointers<const void*>(ins).data(), out.data_ptr(), dtype,
+                       wire_for(dtype, scale, false), out.numel(), scale, what);
   } else {
     const std::string why = invalid_reduction(out, op, what);
     if (!why.empty()) shm.reject(why, what);
@@ -205,8 +215,8 @@ std::map<std::string, std::array<uint64_t, 2>> Backend::routes() const {
 std::string Backend::describe() const {
   if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
   return engine_->describe() +
-         (local() ? "" : "; only the all-reduce of floating-point sums and the barrier use it, "
-                         "the other collectives go to gloo");
+         (local() ? "" : "; only the all-reduce of floating-point sums uses it, the other "
+                         "collectives go to gloo");
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
@@ -269,7 +279,8 @@ Backend::Step Backend::allreduce_step(const at::Tensor& tensor, const ReduceOp& 
     at::Tensor data = dense(tensor);
     if (sum) {
       const DType dtype = *to_dtype(data.scalar_type());
-      shm.allreduce(data.data_ptr(), dtype, data.numel(), dtype, scale, what);
+      shm.allreduce(data.data_ptr(), dtype, data.numel(), wire_for(dtype, scale, shm.spans_nodes()),
+                    scale, what);
     } else {
       const std::string why = invalid_reduction(data, op, what);
       if (!why.empty()) shm.reject(why, what);

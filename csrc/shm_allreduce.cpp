@@ -712,17 +712,17 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   }
 }
 
-void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype, int64_t count,
-                                  double scale, const std::string& what) {
+void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire,
+                                  int64_t count, double scale, const std::string& what) {
   if (count < 0) throw std::invalid_argument("ddpx: negative element count");
-  const CallMeta mine =
-      local_call(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
+  CallMeta mine = local_call(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
+  mine.wire = int32_t(wire);
   const Kernels& k = kernels();
   const int n = layout_.nranks;
-  const size_t size = dtype_size(dtype);
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
   // Each step's slot holds one part per destination rank, whole cache lines each.
-  const int64_t line = int64_t(64 / size);
-  const int64_t part = int64_t(layout_.block_bytes / (size * size_t(n))) / line * line;
+  const int64_t line = int64_t(64 / wire_size);
+  const int64_t part = int64_t(layout_.block_bytes / (wire_size * size_t(n))) / line * line;
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
   const Store store = size_t(count) * size >= kStreamBytes ? Store::Streaming : Store::Cached;
   char* dst = static_cast<char*>(out);
@@ -732,14 +732,14 @@ void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype
     const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
       if (todo <= 0) return;
       for (int r = 0; r < n; ++r) {
-        k.pack(slot + size_t(r * part) * size, dtype,
+        k.pack(slot + size_t(r * part) * wire_size, wire,
                static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, scale,
                Store::Cached);
       }
     }, what);
     if (todo <= 0) continue;
-    for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(me_ * part) * size;
-    k.reduce(dst + size_t(lo) * size, dtype, srcs, n, dtype, todo, store);
+    for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(me_ * part) * wire_size;
+    k.reduce(dst + size_t(lo) * size, dtype, srcs, n, wire, todo, store);
   }
 }
 

@@ -103,12 +103,12 @@ class ShmAllreduce {
   // the other ranks' call like allreduce. allgather: every rank's `bytes` bytes of in land at
   // outs[rank] on every rank (in may be outs[me]). broadcast: local rank root's data lands in
   // every rank's. reduce_scatter: out (count elements) = the sum over ranks of their ins[me],
-  // each scaled, summed in rank order in float (double for float64) and rounded once into dtype.
-  // outs and ins hold local_size() pointers.
+  // each scaled and rounded into wire, summed in rank order in float (double for float64) and
+  // rounded into dtype. outs and ins hold local_size() pointers.
   void allgather(const void* in, size_t bytes, void* const* outs, const std::string& what);
   void broadcast(void* data, size_t bytes, int root, const std::string& what);
-  void reduce_scatter(const void* const* ins, void* out, DType dtype, int64_t count, double scale,
-                      const std::string& what);
+  void reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire, int64_t count,
+                      double scale, const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
 
   // Messages of up to one_shot_bytes (in the wire dtype) are summed whole by every rank after one

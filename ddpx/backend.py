@@ -5,7 +5,8 @@
     group = dist.new_group(ranks, backend="ddpx")
 
 Every collective a job issues, not only DDP's buckets, then runs on the node's shared-memory
-engine (csrc/backend.cpp says which go where); bfloat16 sums too, which gloo refuses. Each group
+engine (csrc/backend.cpp says which go where), 16-bit floats summed in float32 and rounded once
+(gloo rounds after every addition). Each group
 holds its own engine, made collectively when the group is made, and an inner gloo of the same
 ranks for what the engine does not serve. ``group._get_backend(torch.device("cpu"))`` is the
 backend: ``describe()`` says which path serves it, ``routes()`` counts each collective's calls

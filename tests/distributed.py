@@ -13,11 +13,12 @@ import subprocess
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
+def _rank_main(rank, world_size, store_path, fn, args, results, env, backend, group_timeout=None):
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -26,8 +27,11 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        if "ddpx" in backend:
+            import ddpx  # noqa: F401 - registers the "ddpx" backend
+        timeout = {} if group_timeout is None else {"timeout": timedelta(seconds=group_timeout)}
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, **timeout)
         # Plain pickle copies tensors into the message; the queue's own pickler would share
         # their memory with the parent, which breaks once this process exits.
         results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
@@ -106,8 +110,10 @@ def shm_segments() -> set[str]:
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,
-              backend: str = "gloo"):
+              backend: str = "gloo", group_timeout: float | None = None):
     """Runs fn(rank, world_size, *args) on world_size ranks; returns the results by rank.
+    ``backend`` may be any init_process_group string ("ddpx" and "cpu:ddpx,..." import ddpx
+    first, which registers it); ``group_timeout`` (seconds) is the group's timeout.
 
     Raises AssertionError with a rank's traceback when any rank fails, when the ranks leave a
     ddpx segment in /dev/shm, and kills every rank still running when the timeout passes (a hang
@@ -120,7 +126,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_rank_main,
                              args=(r, world_size, store_path, fn, args, results, env or {},
-                                   backend))
+                                   backend, group_timeout))
                  for r in range(world_size)]
         for p in procs:
             p.start()
