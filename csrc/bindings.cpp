@@ -191,6 +191,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(), kernel_dtype(src),
                             src.numel(), scale, stream ? Store::Streaming : Store::Cached);
   }, py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"), py::arg("stream") = false);
+  m.def("kernel_copy", [](at::Tensor dst, const at::Tensor& src, const std::string& isa, bool stream) {
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
+                "ddpx: kernel_copy needs contiguous tensors of equal bytes");
+    kernels_named(isa).copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                            stream ? Store::Streaming : Store::Cached);
+  }, py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("stream") = false);
   m.def("kernel_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa,
                             bool stream) {
     TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",

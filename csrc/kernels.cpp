@@ -21,7 +21,10 @@ const char* dtype_name(DType t) {
 }
 
 namespace {
-const Kernels kPortable{"portable", &pack_dispatch<ScalarLoops>, &reduce_dispatch<ScalarLoops>};
+void plain_copy(void* dst, const void* src, size_t bytes, Store) { std::memcpy(dst, src, bytes); }
+
+const Kernels kPortable{"portable", &pack_dispatch<ScalarLoops>, &reduce_dispatch<ScalarLoops>,
+                        &plain_copy};
 }  // namespace
 
 const Kernels* kernels_for(const char* isa) {

@@ -29,10 +29,14 @@ using PackFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, in
 using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
                           int64_t n, Store store);
 
+// dst[0..bytes) = src[0..bytes), any bits; dst and src do not overlap.
+using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Store store);
+
 struct Kernels {
   const char* isa;
   PackFn pack;
   ReduceFn reduce;
+  CopyFn copy;
 };
 
 // The widest kernels this CPU runs, chosen once at first use ("avx2" or "portable").

@@ -7,6 +7,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 
 #include "kernel_dispatch.h"
 
@@ -170,7 +172,26 @@ struct Avx2Loops {
   }
 };
 
-const Kernels kAvx2{"avx2", &pack_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>};
+DDPX_AVX2 void copy_bytes(void* dst, const void* src, size_t bytes, Store store) {
+  const size_t misalign = reinterpret_cast<uintptr_t>(dst) % 32;
+  const size_t head = std::min(bytes, misalign == 0 ? 0 : 32 - misalign);
+  if (store == Store::Cached || bytes - head < 256) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  auto* out = reinterpret_cast<__m256i*>(static_cast<char*>(dst) + head);
+  const char* in = static_cast<const char*>(src) + head;
+  const size_t vectors = (bytes - head) / 32;
+  for (size_t i = 0; i < vectors; ++i) {
+    _mm256_stream_si256(out + i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in) + i));
+  }
+  const size_t done = head + vectors * 32;
+  std::memcpy(static_cast<char*>(dst) + done, static_cast<const char*>(src) + done, bytes - done);
+  _mm_sfence();
+}
+
+const Kernels kAvx2{"avx2", &pack_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>, &copy_bytes};
 
 }  // namespace
 

@@ -681,15 +681,18 @@ void ShmAllreduce::allgather(const void* in, size_t bytes, void* const* outs,
   const CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
   const size_t block = layout_.block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
+  const Kernels& k = kernels();
+  const Store store = bytes * size_t(layout_.nranks) >= kStreamBytes ? Store::Streaming
+                                                                       : Store::Cached;
   const char* src = static_cast<const char*>(in);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
-    const uint64_t step =
-        exchange(mine, b == 0, [&](char* slot) { std::memcpy(slot, src + lo, count); }, what);
+    const uint64_t step = exchange(
+        mine, b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Store::Cached); }, what);
     for (int r = 0; r < layout_.nranks; ++r) {
       char* part = static_cast<char*>(outs[r]) + lo;
       const char* from = r == me_ ? src + lo : input_slot(r, step);
-      if (part != from) std::memcpy(part, from, count);
+      if (part != from) k.copy(part, from, count, store);
     }
   }
 }
@@ -702,13 +705,15 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   const CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
   const size_t block = layout_.block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
+  const Kernels& k = kernels();
+  const Store store = bytes >= kStreamBytes ? Store::Streaming : Store::Cached;
   char* bytes_at = static_cast<char*>(data);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step = exchange(mine, b == 0, [&](char* slot) {
-      if (me_ == root) std::memcpy(slot, bytes_at + lo, count);
+      if (me_ == root) k.copy(slot, bytes_at + lo, count, Store::Cached);
     }, what);
-    if (me_ != root) std::memcpy(bytes_at + lo, input_slot(root, step), count);
+    if (me_ != root) k.copy(bytes_at + lo, input_slot(root, step), count, store);
   }
 }
 

@@ -141,3 +141,19 @@ def test_reduce_in_place_on_first_source():
 def test_float64_cannot_mix_with_other_dtypes():
     with pytest.raises(ValueError, match="float64"):
         C.kernel_pack(torch.empty(4), torch.empty(4, dtype=torch.float64), 1.0, "portable")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_moves_every_bit_pattern_at_any_alignment(isa, stream):
+    """The all-gather's and broadcast's copy: any bytes (signalling NaN patterns included), every
+    head and tail around the 32-byte stores, equal to the source bit for bit."""
+    bits = torch.Generator().manual_seed(0)
+    src_all = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=bits)
+    for offset in (0, 1, 7, 31, 33):
+        for n in (0, 1, 31, 255, 256, 257, 4096 + 13, 65_536 + 5):
+            src = src_all[offset:offset + n]
+            dst_all = torch.zeros(n + 64, dtype=torch.uint8)
+            dst = dst_all[(offset * 3) % 32:][:n]
+            C.kernel_copy(dst, src, isa, stream)
+            assert torch.equal(dst, src), (offset, n)
