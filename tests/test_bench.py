@@ -334,12 +334,12 @@ def test_options_that_cannot_run_together_are_refused(options, message):
     assert message in done.stderr
 
 
-def test_help_lists_the_four_modes():
+def test_help_lists_the_five_modes():
     done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ddpx-bench ")
-    assert "{allreduce,collectives,train,accuracy}" in done.stdout
-    for mode in ("allreduce", "collectives", "train", "accuracy"):
+    assert "{allreduce,collectives,train,fsdp,accuracy}" in done.stdout
+    for mode in ("allreduce", "collectives", "train", "fsdp", "accuracy"):
         assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
 
 
@@ -375,6 +375,47 @@ def test_train(tmp_path):
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
     assert "x vs default" in stdout
+
+
+def test_fsdp(tmp_path):
+    precisions = ["fp32", "bf16"]
+    options = "--params 20K --layers 2 --heads 2 --batch_size 2 --seq_len 8 --steps 2 --warmup 1"
+    document, stdout = run_bench(tmp_path, "fsdp", *options.split(),
+                                 "--precisions", ",".join(precisions))
+
+    engines = ["gloo", "ddpx"] if ddpx_backend_registered() else ["gloo"]
+    if not ddpx_backend_registered():
+        assert "registers no torch.distributed backend" in document["left_out"]["ddpx"]
+    rows = {(row["precision"], row["engine"]): row for row in document["rows"]}
+    assert sorted(rows) == sorted((p, engine) for p in precisions for engine in engines)
+    for (precision, engine), row in rows.items():
+        assert row["world_size"] == 2 and row["steps"] == 2 and row["warmup"] == 1
+        assert 0 < row["params"] <= 40_000 and row["d_model"] % 16 == 0
+        check_times(row)
+        gloo = rows[precision, "gloo"]
+        assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
+        if engine == "gloo":
+            assert row["routes"] is row["served_by"] is row["check"] is None
+            continue
+        # Checked against the gloo model after the warm-up: 2 ranks average alike, so the same
+        # bits are expected but only the tolerance is required.
+        if precision == "fp32":
+            assert row["check"] == "max_abs_diff"
+            assert 0 <= row["max_abs_diff"] <= row["tolerance"]
+        else:
+            assert row["check"] == "update_cosine"
+            assert row["update_cosine"] >= row["tolerance"]
+        # FSDP's all-gathers and reduce-scatters, and the check's gathers: all on ddpx's
+        # shared-memory engine, none through its gloo fallback.
+        assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= set(row["routes"])
+        assert row["served_by"]["engine"] > 0 and row["served_by"]["gloo"] == 0, row["routes"]
+        assert all(paths["gloo"] == 0 for paths in row["routes"].values()), row["routes"]
+    assert "gloo ms/step" in stdout and "ddpx ms/step" in stdout and "gloo/ddpx" in stdout
+    table = [line.split() for line in stdout.splitlines() if line.split()[:1] == ["2"]]
+    assert [line[1] for line in table] == precisions
+    if "ddpx" in engines:
+        assert re.search(r"note: ddpx backend on 2 ranks: ", stdout), stdout
+        assert all(line[-1] == "engine" for line in table), table
 
 
 def test_accuracy(tmp_path):

@@ -69,7 +69,8 @@ class Recorder:
 def train(rank, group, name, bf16):
     """fully_shard of each layer and the root over a mesh of ``group``; STEPS AdamW steps on data
     seeded by rank. Returns the full final parameters, FSDP's recorded collectives and, for the
-    ddpx group, its backend's routes before and after the final gather."""
+    ddpx group, its backend's routes before and after the final gather, and this rank's shard of
+    the first step's gradients."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -93,16 +94,18 @@ def train(rank, group, name, bf16):
     routes = backend.routes if name == "ddpx" else dict
     before = routes()
     with Recorder() as recorder:
-        for _ in range(STEPS):
+        for step in range(STEPS):
             x, y = torch.randn(4, 16, 64, generator=data), torch.randn(64, 8, generator=data)
             torch.nn.functional.mse_loss(model(x).float(), y).backward()
+            if step == 0:  # this rank's shard of the averaged gradients, before Adam rescales them
+                grads = {k: p.grad.to_local().clone() for k, p in model.named_parameters()}
             optimizer.step()
             optimizer.zero_grad()
     trained = routes()
     full = {k: p.full_tensor().detach() for k, p in model.named_parameters()}
     gathered = routes()
     dist.barrier(group)
-    return full, recorder.calls, [before, trained, gathered]
+    return full, recorder.calls, [before, trained, gathered], grads
 
 
 def fsdp_runs(rank, world):
@@ -171,11 +174,23 @@ def test_ddpx_matches_gloo_in_float32(runs):
         assert same_bits(r[("ddpx", False)][0], results[0][("ddpx", False)][0])
 
 
+def test_first_gradients_are_gloos_average(runs):
+    """Adam's step hardly depends on the gradients' scale, so a reduce-scatter that summed
+    instead of averaging would pass the checks above; the first step's gradient shards, read
+    before the optimizer, show it: the same as gloo's up to float32 summation order."""
+    _, results = runs
+    for r in results:
+        gloo, ddpx = r[("gloo", False)][3], r[("ddpx", False)][3]
+        assert gloo.keys() == ddpx.keys()
+        for k in gloo:
+            torch.testing.assert_close(ddpx[k], gloo[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
 def test_engine_served_every_fsdp_collective(runs):
     _, results = runs
     for r in results:
         for bf16 in (False, True):
-            _, calls, (before, trained, gathered) = r[("ddpx", bf16)]
+            _, calls, (before, trained, gathered), _ = r[("ddpx", bf16)]
             dtype = torch.bfloat16 if bf16 else torch.float32
             # FSDP's own calls: all-gathers of the parameters in param_dtype, and reduce-
             # scatters of the gradients in reduce_dtype, averaged by the backend (ReduceOp.AVG).

@@ -1,17 +1,20 @@
 """Benchmark ddpx against gloo and the other CPU all-reduces on one machine: the all-reduce alone,
-the torch.distributed collectives through ddpx's backend, a DDP training step, accuracy.
+the torch.distributed collectives through ddpx's backend, a DDP training step, an FSDP2 training
+step through ddpx's backend, accuracy.
 
 Run everything: ddpx-bench spawns the ranks of each of --world_sizes (default 2,4) itself, gloo
 over a FileStore in a temporary folder, one thread per rank, and they end with it (on an error,
 Ctrl-C, or even SIGKILL). The table goes to stdout, progress to stderr. On 2 cores, about 1.5
 minutes for allreduce (more with the peers) and 2.5 for train; accuracy (default world sizes 4,8)
-takes about a minute; collectives at least one (54 engines and cells of --min_time 1 s each).
+takes about a minute; collectives at least one (54 engines and cells of --min_time 1 s each); fsdp
+about 3 (its bf16 cells, not run by default, about an hour on AVX2 cores: see fsdp).
 The peers that allreduce compares with, OpenMPI (through mpi4py) and DeepSpeed, are optional:
 `pip install -e ".[peers]"`. `python -m ddpx.bench` is the same command.
 
     ddpx-bench allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
     ddpx-bench collectives --json bench_out/collectives.json --plot bench_out/collectives.png
     ddpx-bench train --json bench_out/train.json --plot bench_out/train.png
+    ddpx-bench fsdp --json bench_out/fsdp.json --plot bench_out/fsdp.png
     ddpx-bench accuracy --json bench_out/accuracy.json --plot bench_out/accuracy.png
 
 Smaller runs:
@@ -23,6 +26,8 @@ Smaller runs:
     ddpx-bench collectives --collectives all_reduce,all_gather,reduce_scatter,barrier
     ddpx-bench train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
+    ddpx-bench fsdp --world_sizes 2 --precisions fp32 --params 2M --steps 5
+    ddpx-bench fsdp --world_sizes 2 --params 200K --layers 2 --steps 5 --load 1
 
 Under a launcher, the launcher's processes are the ranks and only its world size runs:
 
@@ -114,6 +119,35 @@ change of the default model) and of the parameters to float32 (64 u_fp32 x the l
 Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
 with status 1 after the table.
 
+fsdp: FSDP2 training steps (forward, backward, AdamW step of --lr, default 1e-3) of a transformer:
+--layers (default 8) post-norm torch.nn.TransformerEncoderLayer of --heads (default 8) heads,
+feed-forward 4 x d_model and no dropout, and a linear head, d_model the multiple of 8 x --heads
+that comes nearest to --params parameters in all (default 25M: d_model 512, 25.5M), on
+--batch_size (default 8) sequences of --seq_len (default 64) random tokens per rank, against random
+targets (mean squared error). fully_shard shards each layer and the root once over the gloo world
+and once over a group of the same ranks with ddpx's backend (dist.new_group(ranks,
+backend="ddpx")), in the same processes, from the same parameters on the same data, for each of
+--precisions (default fp32): `fp32`, and `bf16` (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.bfloat16): bfloat16 gathers of the parameters, compute and reduce-scatters of
+the gradients, float32 sharded parameters for AdamW). In each cell (world size, precision):
+  - both models take --warmup steps (default 2), then the ddpx model's parameters are compared
+    with the gloo model's. fp32: max |diff| at most a tenth of lr x --warmup, the furthest AdamW
+    can move a parameter in the warm-up (a wrong reduction moves them about that far apart; gloo's
+    and ddpx's roundings, which differ at 3+ ranks, much less; at 2 ranks they give the same
+    bits), the attention's key biases left out (their true gradient is 0: Adam turns rounding
+    noise into steps). bf16: the updates (parameters after the warm-up minus before, as one
+    vector) have cosine at least 0.98. Models that are apart stop the run with exit status 1;
+  - then --steps timed steps each (default 10), the models taking turns step by step; a sample is
+    one step on the slowest rank, started right after a barrier.
+Reported per cell: each group's median ms per step; gloo/ddpx = gloo's median / ddpx's (bigger:
+ddpx faster); the comparison after the warm-up (same bits, max |diff| or cosine); which path served
+the ddpx backend's calls of the cell, from its routes() (FSDP2's all_gather_into_tensor and
+reduce_scatter_tensor, the comparison's all_gather_into_tensor_coalesced). The JSON holds p10-p90,
+the counts and the comparison's numbers. A CPU without bfloat16 instructions (AVX512-BF16, AMX)
+multiplies bfloat16 matrices far more slowly than float32 ones (AVX2: about 200 times), so there
+the bf16 cells time mostly the compute. Where ddpx registers no backend, its column is left out
+with a note.
+
 accuracy: the averaged all-reduce of --size normally distributed float32 elements per rank (seeded
 per rank) on each of --world_sizes (default 4,8), by each of --methods: `default`
 (torch.distributed.all_reduce of x / world size in float32), `torch-fp16` and `torch-bf16` (torch's
@@ -140,6 +174,7 @@ from ddpx.bench.accuracy import METHODS
 from ddpx.bench.allreduce import ENGINES, SCHEDULES
 from ddpx.bench.collectives import COLLECTIVES, DEFAULT_COLLECTIVES
 from ddpx.bench.common import MPI_WORKDIR
+from ddpx.bench.fsdp import PRECISIONS
 from ddpx.bench.launch import launched, mpirun_rank, on_testbed, spawned
 from ddpx.bench.report import report
 from ddpx.bench.train import COMM_HOOKS
@@ -212,6 +247,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
     train.add_argument("--lr", type=float, default=0.01)
     _node_options(train)
+
+    fsdp = modes.add_parser(
+        "fsdp",
+        parents=[common],
+        help="time FSDP2 training steps on gloo and on ddpx's backend",
+    )
+    fsdp.add_argument(
+        "--precisions",
+        type=_choice_list(PRECISIONS),
+        default=["fp32"],
+        help=f"comma-separated, from {','.join(PRECISIONS)} (default fp32: see bf16 above)",
+    )
+    fsdp.add_argument(
+        "--params",
+        type=_count,
+        default=_count("25M"),
+        help="parameters of the transformer, with K/M suffixes (powers of 1000): d_model is the "
+        "multiple of 8 x --heads that comes nearest (default 25M: d_model 512)",
+    )
+    fsdp.add_argument("--layers", type=int, default=8, help="encoder layers (default 8)")
+    fsdp.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    fsdp.add_argument("--batch_size", type=int, default=8, help="sequences per rank (default 8)")
+    fsdp.add_argument("--seq_len", type=int, default=64, help="tokens per sequence (default 64)")
+    fsdp.add_argument("--steps", type=int, default=10, help="timed steps per model and precision")
+    fsdp.add_argument(
+        "--warmup",
+        type=_positive,
+        default=2,
+        help="untimed steps per model and precision, after which the models are compared",
+    )
+    fsdp.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
 
     accuracy = modes.add_parser(
         "accuracy",
@@ -323,6 +389,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text}: a count, 0 or more")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: a count, 1 or more")
     return value
 
 

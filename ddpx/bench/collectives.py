@@ -13,11 +13,14 @@ import ddpx
 from ddpx.bench.common import (
     UNIT_ROUNDOFF,
     add_if_it_works,
+    ddpx_group,
     format_size,
     node_count,
     progress,
     random_input,
+    routes_since,
     same_on_all_ranks,
+    served_by,
     slowest_rank_stats,
     timed_in_turns,
 )
@@ -50,7 +53,7 @@ _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 def bench_collectives(args) -> dict:
     left_out, notes = {}, []
     world_size, nodes = dist.get_world_size(), node_count()
-    group, backend = _ddpx_group(left_out)
+    group, backend = ddpx_group(left_out)
     engines = {"gloo": None, **({"ddpx": group} if group is not None else {})}
     fused = {}
     if "all_reduce" in args.collectives:
@@ -83,16 +86,6 @@ def bench_collectives(args) -> dict:
     if fused:
         notes.append(f"{FUSED} on {world_size} ranks: {engine_for().describe()}")
     return {"rows": rows, "left_out": left_out, "notes": notes, "failures": []}
-
-
-def _ddpx_group(left_out: dict):
-    """A group of every rank with ddpx's torch.distributed backend beside the gloo world, and its
-    CPU backend; (None, None), and why in `left_out`, where this ddpx registers no backend."""
-    if "ddpx" not in dist.Backend.backend_list:
-        left_out["ddpx"] = "this build of ddpx registers no torch.distributed backend 'ddpx'"
-        return None, None
-    group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
-    return group, group._get_backend(torch.device("cpu"))
 
 
 def _call(collective: str, engine: str, group, numel: int):
@@ -164,7 +157,7 @@ def _bench_cell(collective: str, size: int | None, engines: dict, backend, args,
     served_before = backend.routes() if "ddpx" in engines else None
     checks = _check_engines(collective, size, calls, args.seed, nodes)
     samples, per_sample = timed_in_turns(calls, torch.zeros(numel), args, cell)
-    routes = _routes_since(served_before, backend.routes()) if "ddpx" in engines else None
+    routes = routes_since(served_before, backend.routes()) if "ddpx" in engines else None
     output_bytes = {
         "all_gather_into_tensor": world_size * numel * 4,
         "all_gather": world_size * numel * 4,
@@ -189,7 +182,7 @@ def _bench_cell(collective: str, size: int | None, engines: dict, backend, args,
                 # This rank's calls of the cell (check, sizing and timed) that ddpx's backend
                 # ran on its engine and through gloo: its routes() before and after.
                 "routes": routes if name == "ddpx" else None,
-                "served_by": _served_by(routes) if name == "ddpx" else None,
+                "served_by": served_by(routes) if name == "ddpx" else None,
             }
         )
     medians = {row["engine"]: row["median_ms"] for row in rows}
@@ -278,24 +271,3 @@ def _check_barrier(name: str, call, nodes: int) -> dict:
             f"rank {last} entered it"
         )
     return {**unchecked, "check": "barrier"}
-
-
-def _routes_since(before: dict, after: dict) -> dict:
-    """The calls served since `before`, of routes() {collective: {"engine": n, "gloo": m}}: those
-    that changed only."""
-    since = {}
-    for collective, counts in after.items():
-        earlier = before.get(collective, {})
-        changed = {path: count - earlier.get(path, 0) for path, count in counts.items()}
-        if any(changed.values()):
-            since[collective] = changed
-    return since
-
-
-def _served_by(routes: dict) -> dict:
-    """The calls of `routes` by path, over the collectives: {"engine": n, "gloo": m}."""
-    totals = {"engine": 0, "gloo": 0}
-    for counts in routes.values():
-        for path, count in counts.items():
-            totals[path] = totals.get(path, 0) + count
-    return totals

@@ -111,6 +111,40 @@ def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def steps_in_turns(steps: dict, indices: range, cell: str,
+                   device: torch.device | None = None) -> dict:
+    """Steps `indices` of each of `steps` (name -> a call that makes step `index` of its model),
+    the models taking turns step by step so that they share the machine's conditions: name ->
+    this rank's seconds for each step (slowest_rank_stats makes them the slowest rank's). A step
+    begins after a barrier; on a GPU `device`, it is timed from idle to done on the device."""
+    samples = {name: [] for name in steps}
+    started = time.perf_counter()
+    for index in indices:
+        if index % 5 == 0 or index == indices.start:
+            progress(
+                f"{cell}: step {index + 1}/{indices.stop} of each of {', '.join(steps)}; "
+                f"{time.perf_counter() - started:.0f} s elapsed"
+            )
+        for name, step in steps.items():
+            samples[name].append(_timed_step(step, index, device))
+    return samples
+
+
+def _timed_step(step, index: int, device: torch.device | None) -> float:
+    _synchronize(device)
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    step(index)
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def slowest_rank_stats(seconds: list[float]) -> dict:
     samples = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX)
@@ -134,3 +168,34 @@ def format_size(size: int) -> str:
         if size >= scale:
             return f"{size / scale:g}{unit}"
     return f"{size}B"
+
+
+def ddpx_group(left_out: dict):
+    """A group of every rank with ddpx's torch.distributed backend beside the gloo world, and its
+    CPU backend; (None, None), and why in `left_out`, where this ddpx registers no backend."""
+    if "ddpx" not in dist.Backend.backend_list:
+        left_out["ddpx"] = "this build of ddpx registers no torch.distributed backend 'ddpx'"
+        return None, None
+    group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
+    return group, group._get_backend(torch.device("cpu"))
+
+
+def routes_since(before: dict, after: dict) -> dict:
+    """The calls served since `before`, of routes() {collective: {"engine": n, "gloo": m}}: those
+    that changed only."""
+    since = {}
+    for collective, counts in after.items():
+        earlier = before.get(collective, {})
+        changed = {path: count - earlier.get(path, 0) for path, count in counts.items()}
+        if any(changed.values()):
+            since[collective] = changed
+    return since
+
+
+def served_by(routes: dict) -> dict:
+    """The calls of `routes` by path, over the collectives: {"engine": n, "gloo": m}."""
+    totals = {"engine": 0, "gloo": 0}
+    for counts in routes.values():
+        for path, count in counts.items():
+            totals[path] = totals.get(path, 0) + count
+    return totals

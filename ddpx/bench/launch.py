@@ -32,6 +32,7 @@ from ddpx.bench.allreduce import (
 )
 from ddpx.bench.collectives import bench_collectives
 from ddpx.bench.common import MPI_WORKDIR, THREADS_PER_RANK, say
+from ddpx.bench.fsdp import bench_fsdp
 from ddpx.bench.train import bench_train
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
@@ -245,7 +246,7 @@ def _run_rank(args) -> dict:
     torch.set_num_threads(THREADS_PER_RANK)
     try:
         modes = {"allreduce": bench_allreduce, "collectives": bench_collectives,
-                 "train": bench_train, "accuracy": bench_accuracy}
+                 "train": bench_train, "fsdp": bench_fsdp, "accuracy": bench_accuracy}
         result = modes[args.mode](args)
         dist.barrier()  # the load, if any, stops after the last rank is done
         return result

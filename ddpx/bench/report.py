@@ -19,6 +19,7 @@ TIMING = {
     "collectives": "a sample: the slowest rank's mean time per call in a batch begun after a "
     "barrier",
     "train": "a sample: the slowest rank's time for one step begun after a barrier",
+    "fsdp": "a sample: the slowest rank's time for one step begun after a barrier",
 }
 ERRORS = (
     "max and mean |result - float64 reference| (the largest over the ranks), reference = sum of "
@@ -46,7 +47,7 @@ def report(args, argv: list[str], result: dict) -> None:
     if args.plot:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
         plots = {"allreduce": plot_allreduce, "collectives": plot_collectives,
-                 "train": plot_train, "accuracy": plot_accuracy}
+                 "train": plot_train, "fsdp": plot_fsdp, "accuracy": plot_accuracy}
         plots[args.mode](document["rows"], args.plot)
 
 
@@ -97,7 +98,7 @@ def format_report(document: dict) -> str:
     lines += [f"note: {note}" for note in document["notes"]]
     lines.append("")
     tables = {"allreduce": _allreduce_table, "collectives": _collectives_table,
-              "train": _train_table, "accuracy": _accuracy_table}
+              "train": _train_table, "fsdp": _fsdp_table, "accuracy": _accuracy_table}
     table = tables[document["mode"]]
     lines += table(document["rows"])
     return "\n".join(lines)
@@ -227,6 +228,55 @@ def _train_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _fsdp_table(rows: list[dict]) -> list[str]:
+    """One line per cell (world size, precision): each group's median step side by side."""
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["world_size"], row["precision"]), {})[row["engine"]] = row
+    header = (
+        f"{'ranks':>5}  {'precision':<9}  {'gloo ms/step':>12}  {'ddpx ms/step':>12}  "
+        f"{'gloo/ddpx':>9}  {'ddpx vs gloo':<20}  ddpx served by"
+    )
+    lines = [header, "-" * len(header)]
+    for (world_size, precision), engines in cells.items():
+        gloo, ddpx = engines["gloo"], engines.get("ddpx")
+        lines.append(
+            f"{world_size:>5}  {precision:<9}  {_ms(gloo['median_ms']):>12}  "
+            f"{_ms(ddpx and ddpx['median_ms']):>12}  {_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
+            f"{_agreement(ddpx):<20}  {_served(ddpx)}"
+        )
+    first = rows[0]
+    lines += [
+        f"TransformerEncoder of {first['params']} parameters (d_model {first['d_model']}, "
+        f"{first['heads']} heads, feed-forward {4 * first['d_model']}, {first['layers']} layers, "
+        f"linear head), fully_shard per layer and root; batch {first['batch_size']} x seq "
+        f"{first['seq_len']} per rank; AdamW; {first['warmup']} warm-up + {first['steps']} timed "
+        "steps per model",
+        "ms/step: median step; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); bf16: "
+        "bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
+        "ddpx vs gloo: the ddpx model's parameters after the warm-up against the gloo model's: "
+        "the same bits, or fp32: max |diff| (key biases apart; at most lr x warm-up steps / 10), "
+        "bf16: the cosine of the updates (at least 0.98)",
+        "ddpx served by: the ddpx backend's routes(), the calls of the cell (warm-up, check, "
+        "timed steps) on its engine and through gloo",
+    ]
+    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+    if nodes:
+        lines.append("nodes: " + ", ".join(f"{size} ranks on {count}"
+                                           for size, count in nodes.items()))
+    return lines
+
+
+def _agreement(row: dict | None) -> str:
+    if row is None or row.get("check") is None:
+        return "-"
+    if row["bit_equal"]:
+        return "same bits"
+    if row["check"] == "update_cosine":
+        return f"cosine {row['update_cosine']:.6f}"
+    return f"max |diff| {row['max_abs_diff']:.2e}"
+
+
 def _tcp_line(rows: list[dict]) -> str:
     links = {row["link"]: row["tcp_bits_per_s"] for row in rows}
     measured = ", ".join(f"{rate} {bits / 1e9:.3f} Gbit/s" for rate, bits in links.items())
@@ -348,23 +398,50 @@ def plot_train(rows: list[dict], path: Path) -> None:
     plt = _pyplot()
     world_sizes = sorted({row["world_size"] for row in rows})
     hooks = list(dict.fromkeys(row["hook"] for row in rows))
-    width = 0.8 / len(hooks)
     figure, ax = plt.subplots(figsize=(2 + 1.2 * len(hooks) * len(world_sizes), 4.5))
-    for index, hook in enumerate(hooks):
-        cells = [row for row in rows if row["hook"] == hook]
+    _step_bars(ax, rows, "hook")
+    ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
+    ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_fsdp(rows: list[dict], path: Path) -> None:
+    """The median step per world size, a bar per group, a panel per precision."""
+    plt = _pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    precisions = list(dict.fromkeys(row["precision"] for row in rows))
+    engines = list(dict.fromkeys(row["engine"] for row in rows))
+    figure, axes = plt.subplots(
+        1, len(precisions), figsize=((2 + 1.2 * len(engines) * len(world_sizes)) * len(precisions),
+                                     4.5), squeeze=False
+    )
+    for ax, precision in zip(axes[0], precisions, strict=True):
+        _step_bars(ax, [row for row in rows if row["precision"] == precision], "engine")
+        ax.set(ylabel="ms per training step (median, p10-p90)",
+               title=f"FSDP2 step time, {precision}")
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _step_bars(ax, rows: list[dict], series: str) -> None:
+    """The median step time of `rows` as bars with p10-p90 whiskers: a group per world size, a
+    bar per value of `series` in each."""
+    world_sizes = sorted({row["world_size"] for row in rows})
+    names = list(dict.fromkeys(row[series] for row in rows))
+    width = 0.8 / len(names)
+    for index, name in enumerate(names):
+        cells = [row for row in rows if row[series] == name]
         x = [
-            world_sizes.index(row["world_size"]) + (index - (len(hooks) - 1) / 2) * width
+            world_sizes.index(row["world_size"]) + (index - (len(names) - 1) / 2) * width
             for row in cells
         ]
         medians = [row["median_ms"] for row in cells]
         below = [row["median_ms"] - row["p10_ms"] for row in cells]
         above = [row["p90_ms"] - row["median_ms"] for row in cells]
-        ax.bar(x, medians, width, yerr=[below, above], capsize=3, label=hook)
+        ax.bar(x, medians, width, yerr=[below, above], capsize=3, label=name)
     ax.set_xticks(range(len(world_sizes)), [f"{ws} ranks" for ws in world_sizes])
-    ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
-    ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
 
 
 def plot_accuracy(rows: list[dict], path: Path) -> None:

@@ -2,7 +2,7 @@
 timed on the slowest rank; the final parameters checked across ranks and against DDP's default."""
 
 import copy
-import time
+import functools
 
 import torch
 import torch.distributed as dist
@@ -14,9 +14,9 @@ from ddpx.bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     node_count,
-    progress,
     same_on_all_ranks,
     slowest_rank_stats,
+    steps_in_turns,
 )
 from ddpx.models import MLP
 
@@ -58,22 +58,13 @@ def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: in
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
     makes them the slowest rank's). scripts/gpu_report.py uses it too."""
-    optimizers = {name: torch.optim.SGD(model.parameters(), lr=lr)
-                  for name, (model, _) in models.items()}
-    samples = {name: [] for name in models}
-    world_size, started = dist.get_world_size(), time.perf_counter()
-    for step in range(warmup + steps):
-        if step % 5 == 0:
-            elapsed = time.perf_counter() - started
-            progress(
-                f"world {world_size}: step {step + 1}/{warmup + steps} of each of "
-                f"{', '.join(models)}; {elapsed:.0f} s elapsed"
-            )
-        for name, (model, _) in models.items():
-            seconds = _timed_step(model, optimizers[name], batches[step % len(batches)])
-            if step >= warmup:
-                samples[name].append(seconds)
-    return samples
+    steps_of = {
+        name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
+        for name, (model, _) in models.items()
+    }
+    samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
+                             batches[0].device)
+    return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
 def _register_hook(name: str, model: DDP) -> str:
@@ -102,22 +93,11 @@ def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
     return [torch.randn(args.batch_size, width, generator=generator) for _ in range(count)]
 
 
-def _timed_step(model: DDP, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    """One step, begun after a barrier; on a GPU, from idle to done on the device."""
-    _synchronize(batch.device)
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    start = time.perf_counter()
+def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
+          index: int) -> None:
     optimizer.zero_grad()
-    model(batch).square().mean().backward()
+    model(batches[index % len(batches)]).square().mean().backward()
     optimizer.step()
-    _synchronize(batch.device)
-    return time.perf_counter() - start
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
