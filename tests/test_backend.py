@@ -17,7 +17,6 @@ import hashlib
 import math
 import os
 import re
-import subprocess
 import tempfile
 import textwrap
 import time
@@ -31,10 +30,10 @@ import torch
 import torch.distributed as dist
 from test_engine import HALF_ULP, SMALL_BLOCKS, assert_close_to_sum, fingerprint
 from test_hook import SUM_ORDER_TOLERANCE
-from test_multinode import TORCHRUN, free_port
+from test_multinode import run_two_nodes
 from torch import nn
 
-from distributed import kill_job, run_ranks, shm_segments, train_small_ddp
+from distributed import run_ranks, shm_segments, train_small_ddp
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.int32, torch.uint8]
@@ -1101,25 +1100,8 @@ MULTINODE_JOB = textwrap.dedent(f'''
 
 
 def test_two_nodes_sum_floats_through_the_engine_and_the_rest_through_gloo(tmp_path):
-    import json
-
-    script = tmp_path / "job.py"
-    script.write_text(MULTINODE_JOB)
-    port = free_port()
     segments = shm_segments()
-    nodes = [subprocess.Popen(
-        [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-        for node in (0, 1)]
-    try:
-        logs = [node.communicate(timeout=180)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            kill_job(node, str(tmp_path))
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    results = run_two_nodes(MULTINODE_JOB, tmp_path)
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
     failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
     assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])

@@ -73,11 +73,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
+def run_two_nodes(source: str, tmp_path) -> list[dict]:
+    """Runs the job ``source`` as two nodes of 2 ranks, one torchrun each on this machine (its
+    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order."""
     script = tmp_path / "job.py"
-    script.write_text(JOB)
+    script.write_text(source)
     port = free_port()
-    segments = shm_segments()
     nodes = [subprocess.Popen(
         [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
@@ -90,7 +91,12 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
         for node in nodes:
             kill_job(node, str(tmp_path))
     assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
+    segments = shm_segments()
+    results = run_two_nodes(JOB, tmp_path)
 
     for result in results:
         assert "2 local ranks" in result["path"], result["path"]
