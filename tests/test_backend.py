@@ -708,7 +708,8 @@ def battery(rank, world):
 
 # 3 and 4 ranks with test_engine's small blocks: multi-block and two-phase schedules on these
 # sizes (and no schedule timing at creation); 2 ranks as created.
-@pytest.mark.parametrize("world,env", [(2, {}), (3, SMALL_BLOCKS), (4, SMALL_BLOCKS)])
+@pytest.mark.parametrize("world,env", [
+    (2, {}), pytest.param(3, SMALL_BLOCKS, marks=pytest.mark.slow), (4, SMALL_BLOCKS)])
 def test_every_collective_matches_gloo_and_the_references(world, env):
     results = run_ranks(battery, world, backend="ddpx", timeout=300, group_timeout=60, env=env)
     by_message = {}

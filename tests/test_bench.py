@@ -291,6 +291,7 @@ def testbed_unavailable() -> str | None:
     return testbed.unavailable()
 
 
+@pytest.mark.slow  # 35 s; tests/test_network.py covers the testbed by default
 @pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
                     reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
 def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_path):
@@ -418,6 +419,7 @@ def test_fsdp(tmp_path):
         assert all(line[-1] == "engine" for line in table), table
 
 
+@pytest.mark.slow  # 17 s
 def test_accuracy(tmp_path):
     methods = ["default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16"]
     document, stdout = run_bench(tmp_path, "accuracy", "--size", "2K", world_sizes="2,3")

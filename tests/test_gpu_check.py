@@ -50,6 +50,7 @@ def run_check(out: Path, *args: str, timeout: float = 120, **env: str) -> subpro
     return process
 
 
+@pytest.mark.slow  # 22 s
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="a GPU is here: run `bash scripts/gpu_check.sh` itself (minutes)")
 def test_every_step_runs_and_reports_without_a_gpu(tmp_path):

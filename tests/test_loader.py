@@ -73,6 +73,7 @@ def run_python(code: str, env: dict, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow  # a minute: a whole build of the extension
 def test_missing_extension_is_built_once_and_cached(tmp_path):
     env = source_copy_without_extension(tmp_path)
     first = run_python(PRINT_INFO, env, tmp_path)

@@ -86,7 +86,7 @@ def test_basic_two_processes(comm_hook):
     check_training(stdout, 2, COMM_PATHS[comm_hook])
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "default"])
+@pytest.mark.parametrize("comm_hook", [pytest.param("ddpx", marks=pytest.mark.slow), "default"])
 def test_basic_on_the_ddpx_backend(comm_hook):
     """--backend ddpx: the job's process group is ddpx's, and DDP's own all-reduce (no hook)
     runs on its shared-memory engine."""
@@ -176,7 +176,8 @@ def uninterrupted(tmp_path_factory):
     return final_state(stdout)
 
 
-@pytest.mark.parametrize("mode", ["plain", "accelerate_state"])
+@pytest.mark.parametrize(
+    "mode", ["plain", pytest.param("accelerate_state", marks=pytest.mark.slow)])
 def test_checkpoint_resume(uninterrupted, mode, tmp_path):
     """Half the steps, a checkpoint, a new launch resuming it: the same end, bit for bit.
 
