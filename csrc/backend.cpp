@@ -156,17 +156,34 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
 }
 
-std::string same_shape_error(const std::vector<at::Tensor>& outputs, const at::Tensor& input,
-                             const std::string& what) {
-  for (const auto& out : outputs) {
-    if (out.numel() != input.numel() || out.scalar_type() != input.scalar_type()) {
-      std::ostringstream why;
-      why << "ddpx: " << what << " needs every output like the input (" << input.numel() << " "
-          << input.scalar_type() << "), got " << out.numel() << " " << out.scalar_type();
+// Why a list form's tensors cannot pair with `like` (one per rank, each like it), or "".
+std::string list_error(const std::vector<at::Tensor>& list, const at::Tensor& like, int world,
+                       const std::string& what, const char* role) {
+  std::ostringstream why;
+  if (int(list.size()) != world) {
+    why << "ddpx: " << what << " needs a list of " << world << " " << role << ", got "
+        << list.size();
+    return why.str();
+  }
+  for (const auto& t : list) {
+    if (t.numel() != like.numel() || t.scalar_type() != like.scalar_type()) {
+      why << "ddpx: " << what << " needs all " << role << " of " << like.numel() << " "
+          << like.scalar_type() << " elements, got " << t.numel() << " " << t.scalar_type();
       return why.str();
     }
   }
   return {};
+}
+
+// Why the tensor form's `whole` cannot hold world x `part`, or "".
+std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int world,
+                        const std::string& what, const char* whole_role, const char* part_role) {
+  if (whole.numel() == world * part.numel() && whole.scalar_type() == part.scalar_type()) return {};
+  std::ostringstream why;
+  why << "ddpx: " << what << " needs an " << whole_role << " of " << world << " x "
+      << part.numel() << " " << part.scalar_type() << " elements (world size x " << part_role
+      << "), got " << whole.numel() << " " << whole.scalar_type();
+  return why.str();
 }
 
 // reduce_scatter on the node: output = the reduction over ranks of their parts[me].
@@ -296,13 +313,8 @@ Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::T
   return [output, input, op, world](ShmAllreduce& shm) {
     const std::string what =
         "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")";
-    if (input.numel() != world * output.numel() || output.scalar_type() != input.scalar_type()) {
-      std::ostringstream why;
-      why << "ddpx: " << what << " needs an input of " << world << " x " << output.numel() << " "
-          << output.scalar_type() << " elements (world size x output), got " << input.numel()
-          << " " << input.scalar_type();
-      shm.reject(why.str(), what);
-    }
+    const std::string why = whole_error(input, output, world, what, "input", "output");
+    if (!why.empty()) shm.reject(why, what);
     run_reduce_scatter(shm, output, parts_of(dense(input), world, output.numel()), op, world,
                        what);
   };
@@ -312,13 +324,8 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
   const int world = getSize();
   return [output, input, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.all_gather_into_tensor";
-    if (output.numel() != world * input.numel() || output.scalar_type() != input.scalar_type()) {
-      std::ostringstream why;
-      why << "ddpx: " << what << " needs an output of " << world << " x " << input.numel() << " "
-          << input.scalar_type() << " elements (world size x input), got " << output.numel()
-          << " " << output.scalar_type();
-      shm.reject(why.str(), what);
-    }
+    const std::string why = whole_error(output, input, world, what, "output", "input");
+    if (!why.empty()) shm.reject(why, what);
     at::Tensor out = dense(output);
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(shm.local_rank()) * input.numel(), input.numel());
@@ -379,11 +386,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const int world = getSize();
   return on_engine("all_gather", opts.asyncOp, outs, {[outs, input, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.all_gather";
-    std::string why = same_shape_error(outs, input, what);
-    if (why.empty() && int(outs.size()) != world) {
-      why = "ddpx: " + what + " needs a list of " + std::to_string(world) + " outputs, got " +
-            std::to_string(outs.size());
-    }
+    const std::string why = list_error(outs, input, world, what, "outputs");
     if (!why.empty()) shm.reject(why, what);
     std::vector<at::Tensor> dense_outs;
     for (const auto& out : outs) dense_outs.push_back(dense(out));
@@ -400,8 +403,11 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  if (!local()) return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
-  return on_engine("all_gather_into_tensor", opts.asyncOp, {output}, {allgather_step(output, input)});
+  if (!local()) {
+    return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
+  }
+  return on_engine("all_gather_into_tensor", opts.asyncOp, {output},
+                   {allgather_step(output, input)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
@@ -432,13 +438,10 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", opts.asyncOp, outputs, {[output, ins, op, world](ShmAllreduce& shm) {
+  return on_engine("reduce_scatter", opts.asyncOp, outputs,
+                   {[output, ins, op, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
-    std::string why = same_shape_error(ins, output, what);
-    if (why.empty() && int(ins.size()) != world) {
-      why = "ddpx: " + what + " needs a list of " + std::to_string(world) + " inputs, got " +
-            std::to_string(ins.size());
-    }
+    const std::string why = list_error(ins, output, world, what, "inputs");
     if (!why.empty()) shm.reject(why, what);
     run_reduce_scatter(shm, output, ins, op, world, what);
   }});
@@ -449,7 +452,8 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
   if (!local()) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
-  return on_engine("reduce_scatter_tensor", opts.asyncOp, {output}, {reduce_scatter_step(output, input, opts.reduceOp)});
+  return on_engine("reduce_scatter_tensor", opts.asyncOp, {output},
+                   {reduce_scatter_step(output, input, opts.reduceOp)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(

@@ -398,7 +398,9 @@ std::string ShmAllreduce::describe_call(const CallMeta& m) {
     out += std::string(" ") + dtype_name(DType(m.dtype)) + " elements (wire " +
            dtype_name(DType(m.wire)) + ", scale " + std::to_string(m.scale) + ", ";
   }
-  if (Collective(m.op) == Collective::Broadcast) out += "from local rank " + std::to_string(m.root) + ", ";
+  if (Collective(m.op) == Collective::Broadcast) {
+    out += "from local rank " + std::to_string(m.root) + ", ";
+  }
   return out + "call " + std::to_string(m.call) + ")";
 }
 
