@@ -56,6 +56,7 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     `cpu=True` without CUDA matters: under a multi-process launcher, a plain `Accelerator()` on a
     machine without GPUs initializes no process group and every process trains alone (world size 1).
     """
+    whole_lines(sys.stdout)
     torch.manual_seed(args.seed)
     cpu = args.cpu or not torch.cuda.is_available()
     # Accelerate takes no backend of its own on CPU (InitProcessGroupKwargs(backend="ddpx") is
@@ -64,6 +65,17 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     if args.backend == "ddpx" and launched and not dist.is_initialized():
         dist.init_process_group("ddpx" if cpu else "cpu:ddpx,cuda:nccl")
     return Accelerator(cpu=cpu)
+
+
+def whole_lines(stream) -> None:
+    """Make `stream` write each line in one write(), so the lines of ranks sharing it never mix.
+
+    Ranks share the launcher's stdout. Unbuffered (PYTHONUNBUFFERED=1, as in many containers and
+    CI runners), print() writes its text and its newline apart, and another rank's line can land
+    between them: "parameter digest 1f..rank 1: loaded...". Line buffering holds a line until its
+    newline and writes it whole, and a write of a line is atomic on a pipe.
+    """
+    stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def run_summary(accelerator: Accelerator) -> str:

@@ -6,10 +6,12 @@ once), so they take the same path as a user on a CPU machine.
 
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -144,6 +146,32 @@ def test_model_parallel_names_a_missing_device():
     assert result.returncode == 1, result.stderr
     assert ("--devices cuda:0,cpu: there is no cuda:0, this machine has 0 CUDA device(s)"
             in result.stderr), result.stderr
+
+
+def test_ranks_write_whole_lines_even_unbuffered():
+    """Under PYTHONUNBUFFERED=1 print() writes a line's text and its newline apart, and another
+    rank's line landed between them in a CI run ("parameter digest eb17..rank 1: loaded ...").
+    After make_accelerator's whole_lines, a line reaches the shared pipe only whole."""
+    child = textwrap.dedent("""
+        import sys
+        from ddpx.training import whole_lines
+        whole_lines(sys.stdout)
+        print("parameter digest", end="")
+        sys.stderr.write("wrote the text\\n")
+        sys.stdin.readline()
+        print()
+    """)
+    with subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1")) as process:
+        try:
+            assert process.stderr.readline() == b"wrote the text\n"
+            assert select.select([process.stdout], [], [], 0.5)[0] == [], "a part line was written"
+            process.stdin.write(b"\n")
+            process.stdin.flush()
+            assert process.stdout.read() == b"parameter digest\n"
+        finally:
+            process.kill()
 
 
 def test_checkpoint_cycle_by_default():
