@@ -238,7 +238,7 @@ class _CopyFloor:
 
 def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[dict]:
     errors = _check_engines(size, engines, args.seed, count_bytes=nodes > 1)
-    samples, calls = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
+    samples, calls, cpu = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
     rows = []
     for name in engines:
         stats = slowest_rank_stats(samples[name])
@@ -252,6 +252,7 @@ def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[d
                 "gb_per_s": size / stats["median_ms"] / 1e6,
                 "calls_per_sample": calls[name],
                 "samples": args.iters,
+                **cpu[name],
                 **errors[name],
             }
         )

@@ -156,7 +156,7 @@ def _bench_cell(collective: str, size: int | None, engines: dict, backend, args,
     calls = {name: _call(collective, name, group, numel) for name, group in engines.items()}
     served_before = backend.routes() if "ddpx" in engines else None
     checks = _check_engines(collective, size, calls, args.seed, nodes)
-    samples, per_sample = timed_in_turns(calls, torch.zeros(numel), args, cell)
+    samples, per_sample, _ = timed_in_turns(calls, torch.zeros(numel), args, cell)
     routes = routes_since(served_before, backend.routes()) if "ddpx" in engines else None
     output_bytes = {
         "all_gather_into_tensor": world_size * numel * 4,

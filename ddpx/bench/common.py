@@ -74,10 +74,12 @@ def random_input(seed: int, rank: int, numel: int, normal: bool = False) -> torc
     return torch.rand(numel, generator=generator) * 2 - 1
 
 
-def timed_in_turns(engines: dict, tensor: torch.Tensor, args, cell: str) -> tuple[dict, dict]:
+def timed_in_turns(engines: dict, tensor: torch.Tensor, args,
+                   cell: str) -> tuple[dict, dict, dict]:
     """Time each of `engines` (name -> a call on `tensor`), the engines taking turns sample by
     sample so that they share the machine's conditions: name -> this rank's --iters samples
-    (slowest_rank_stats makes them the slowest rank's), and name -> calls per sample.
+    (slowest_rank_stats makes them the slowest rank's), name -> calls per sample, and name ->
+    how busy the machine's cores were through its samples (cpu_share).
 
     A sample is the mean time per call of a batch of calls begun right after a barrier; an
     engine's batches are sized, by the slowest rank's mean over --warmup calls, so that its samples
@@ -90,10 +92,39 @@ def timed_in_turns(engines: dict, tensor: torch.Tensor, args, cell: str) -> tupl
     expected = sum(max(args.min_time, args.iters * seconds) for seconds in per_call.values())
     progress(f"{cell}: timing, about {expected:.1f} s")
     samples = {name: [] for name in engines}
+    ticks = {name: [0, 0, 0] for name in engines}
     for _ in range(args.iters):
         for name, engine in engines.items():
+            before = cpu_ticks()
             samples[name].append(_timed_batch(engine, tensor, calls[name]))
-    return samples, calls
+            after = cpu_ticks()
+            ticks[name] = [t + b - a for t, a, b in zip(ticks[name], before, after, strict=True)]
+    return samples, calls, {name: cpu_share(*spent) for name, spent in ticks.items()}
+
+
+def cpu_ticks() -> tuple[int, int, int]:
+    """The machine's CPU time so far, in clock ticks summed over its cores, from /proc/stat's
+    first line: (all, busy, in softirq), all without the time the hypervisor stole. Busy is all
+    but idle and I/O wait; softirq is where the kernel's network stack runs (TCP, veth, bridge,
+    tbf). Zeros where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            user, nice, system, idle, iowait, irq, softirq, steal = (
+                int(field) for field in stat.readline().split()[1:9])
+    except OSError:
+        return 0, 0, 0
+    busy = user + nice + system + irq + softirq
+    return busy + idle + iowait, busy, softirq
+
+
+def cpu_share(all_ticks: int, busy: int, softirq: int) -> dict:
+    """How busy the cores were: busy and softirq time as fractions of all of it (None: no
+    ticks, as without /proc/stat). A fraction near 1 means the cores, not the link or memory,
+    were the limit; /proc/stat counts in 10 ms ticks, so it is good to a few percent only
+    over batches that last 100 ms or more."""
+    if not all_ticks:
+        return {"cpu_busy": None, "cpu_softirq": None}
+    return {"cpu_busy": busy / all_ticks, "cpu_softirq": softirq / all_ticks}
 
 
 def _seconds_per_call(engine, tensor: torch.Tensor, calls: int) -> float:

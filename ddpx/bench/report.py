@@ -121,6 +121,7 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
         f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
         + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
         + (f"  {'inter-node MB/call':>18}" if inter_node else "")
+        + f"  {'CPU busy/si %':>13}"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -132,6 +133,7 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
             + (f"  {_ms(row.get('bound_ms')):>9}  {_ratio(row.get('x_bound')):>7}  "
                f"{_ms(row.get('model_ms')):>9}  {_ratio(row.get('x_model')):>7}" if linked else "")
             + (f"  {_megabytes(row):>18}" if inter_node else "")
+            + f"  {_cpu(row):>13}"
         )
     if linked:
         lines.append(
@@ -140,6 +142,8 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
             "ddpx.costmodel from the unshaped (none) row and the TCP rate, x model = median / model"
         )
         lines.append(_tcp_line(rows))
+    lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
+                 "and the share of it in softirq (the kernel's network stack), from /proc/stat")
     peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
     if peers:
         lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
@@ -153,6 +157,11 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
 def _megabytes(row: dict) -> str:
     sent = row.get("inter_node_bytes")
     return "-" if sent is None else f"{sent / 1e6:.3f}"
+
+
+def _cpu(row: dict) -> str:
+    busy, softirq = row.get("cpu_busy"), row.get("cpu_softirq")
+    return "-" if busy is None else f"{100 * busy:.0f}/{100 * softirq:.0f}"
 
 
 def _collectives_table(rows: list[dict]) -> list[str]:
