@@ -131,9 +131,12 @@ def bits_per_second(rate: str) -> float:
 def _shape(namespace: str, interface: str, rate: str) -> None:
     # The bucket is what a link that idled may send above its rate afterwards: a real link has
     # none, and a big one flatters an engine that leaves the link idle (1 MB let a 25 MiB bf16
-    # all-reduce run 15% under its own bound at 1 Gbit/s). 100 us of traffic, and a whole 64 KiB
-    # GSO packet, still carry the rate (one TCP stream: 0.957 of 1 Gbit/s, 9.56 of 10).
-    burst = max(64 * 1024, int(bits_per_second(rate) / 8 * 100e-6))
+    # all-reduce run 15% under its own bound at 1 Gbit/s). 100 us of traffic, but at least 72 KiB:
+    # tbf arms a timer each time the bucket runs dry, and one TCP stream at 1 Gbit/s (1514-byte
+    # packets) ran it dry 142,713 times per 128 MB with a 64 KiB bucket and 5,599 with 72 KiB, at
+    # the same rate (0.954 Gbit/s), for 10 against 1.7 core-seconds of kernel time per GB: with
+    # 64 KiB, half of this machine's two cores went to shaping one link.
+    burst = max(72 * 1024, int(bits_per_second(rate) / 8 * 100e-6))
     # latency bounds the queue, as a switch port's buffer would: beyond it packets are dropped.
     _run("tc", "-n", namespace, "qdisc", "add", "dev", interface, "root", "tbf", "rate", rate,
          "burst", str(burst), "latency", "20ms")
