@@ -140,6 +140,8 @@ def test_allreduce(tmp_path):
         assert row["x_vs_gloo"] == pytest.approx(rows[size, "gloo"]["median_ms"] / row["median_ms"])
         assert row["best_peer"] == "gloo"  # the only peer here
         assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
+        if row["cpu_busy"] is not None:  # None: samples shorter than /proc/stat's 10 ms tick
+            assert 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
         if row["engine"] == "copy":  # the floor is timed, not checked
             assert row["max_abs_error"] is row["tolerance"] is None
         else:
@@ -232,9 +234,11 @@ def test_allreduce_beside_the_peers_mpi_and_deepspeed(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pins and reaps the Linux way")
 def test_load_runs_one_process_per_core_and_ends_with_the_run(tmp_path):
-    options = "--sizes 4K --iters 2 --min_time 0.05 --warmup 1 --engines gloo --load 1".split()
+    options = "--sizes 4K --iters 2 --min_time 0.2 --warmup 1 --engines gloo --load 1".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options)
 
+    # A spinning process on every core: the CPU column sees the cores busy throughout.
+    assert document["rows"][0]["cpu_busy"] > 0.9, document["rows"]
     cores = len(os.sched_getaffinity(0))
     pids = document["settings"]["load_pids"]
     assert document["settings"]["load"] == 1 and len(pids) == len(set(pids)) == cores
