@@ -542,12 +542,27 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     const int64_t lo = std::min<int64_t>(count, me_ * slice);
     return std::make_pair(lo, std::min<int64_t>(count, lo + slice));
   };
-  // Puts block b in this rank's input slot and waits for every peer's; returns its step.
+  // The two-phase schedule sums this rank's slice of its own block straight from the tensor
+  // when the wire holds the tensor's values unchanged, so that slice is never copied in: the
+  // same bits as packed, a sixth less memory traffic at 2 ranks. Only for a tensor that fits
+  // in the cache: from memory, reading it in the sum was up to 2x slower at 25 MiB than
+  // copying it in first.
+  const bool own_slice_direct =
+      !one_shot && wire == dtype && scale == 1.0 && out_store == Store::Cached;
+  // Puts block b in this rank's input slot (less the slice it sums itself, where that is read in
+  // place) and waits for every peer's; returns its step.
   auto arrive = [&](int64_t b) {
     const uint64_t step = ++step_;
     const int64_t count = block_count(b);
     if (b == 0) control_[me_].meta[step & 1] = mine;
-    if (count > 0) k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
+    if (count > 0 && own_slice_direct) {
+      const auto [lo, hi] = my_slice(count);
+      k.pack(input_slot(me_, step), wire, local_block(b), dtype, lo, scale, Store::Cached);
+      k.pack(input_slot(me_, step) + size_t(hi) * wire_size, wire,
+             local_block(b) + size_t(hi) * data_size, dtype, count - hi, scale, Store::Cached);
+    } else if (count > 0) {
+      k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
+    }
     publish(Phase::Arrive, step);
     wait_all(Phase::Arrive, step, what);
     if (b == 0 && !cross_node_) {
@@ -564,8 +579,9 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     }
     return step;
   };
-  auto sum_my_slice = [&](uint64_t step, int64_t lo, int64_t hi, void* out) {
+  auto sum_my_slice = [&](uint64_t step, int64_t b, int64_t lo, int64_t hi, void* out) {
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(lo) * wire_size;
+    if (own_slice_direct) srcs[me_] = local_block(b) + size_t(lo) * data_size;
     k.reduce(out, acc, srcs, n, wire, hi - lo, Store::Cached);
   };
   // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
@@ -585,7 +601,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
         continue;
       }
       const auto [lo, hi] = my_slice(count);
-      sum_my_slice(step, lo, hi, output_slot(step) + size_t(lo) * acc_size);
+      sum_my_slice(step, b, lo, hi, output_slot(step) + size_t(lo) * acc_size);
       gather(step, b);
     }
     return;
@@ -644,7 +660,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     for (int64_t b = first; b < chunk_start(c + 1); ++b) {
       const uint64_t step = arrive(b);
       const auto [lo, hi] = my_slice(block_count(b));
-      sum_my_slice(step, lo, hi, sums + size_t(slice_offset(b)) * acc_size);
+      sum_my_slice(step, b, lo, hi, sums + size_t(slice_offset(b)) * acc_size);
     }
     // The check across nodes started with the first block and ran while the node summed it.
     if (c == 0) finish_node_check(mine, "", what);
