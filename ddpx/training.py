@@ -22,6 +22,7 @@ __all__ = [
     "random_batch",
     "run_summary",
     "shutdown",
+    "whole_lines",
 ]
 
 COMM_HOOKS = ("ddpx", "default", "fp16")
