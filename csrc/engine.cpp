@@ -552,6 +552,7 @@ std::string ShmEngine::describe() const {
       << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
       << kernels().isa << " kernels";
   if (!across_nodes_) out << ", one-shot up to " << (shm.one_shot_bytes() >> 10) << " KiB";
+  out << "; " << shm.wait_policy();
   if (across_nodes_) {
     out << ", hierarchical across " << across_nodes_->nodes() << " nodes through the process group";
   }

@@ -20,13 +20,17 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3378706464ULL;  // "ddpx3": calls name their collective
+constexpr uint64_t kMagic = 0x3478706464ULL;  // "ddpx4": ranks publish their CPUs
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
 // measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
 // per synchronisation once a process outside the job shares the core (25 MB: 330 ms instead of
 // 5 ms), and spinning without looking at where the awaited rank runs costs 2x under that load.
 constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while peers may run
+// Spinning longer costs no awaited rank its CPU when each one is bound where this rank is not:
+// then it competes only with what else runs on this CPU, which the scheduler shares out anyway,
+// and a rank that sleeps through a peer's short descheduling waits a time slice to get back.
+constexpr auto kSpinApart = std::chrono::microseconds(500);
 constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
 // A peer's share of one step takes well under this; a process outside the job, given the CPU by
 // a yield, keeps it for a time slice (a scheduler tick, 4 ms at HZ=250).
@@ -69,11 +73,14 @@ void cpu_relax() {
 #endif
 }
 
-int usable_cpus() {
+// The CPUs this process may run on; all of them if the kernel will not say.
+cpu_set_t allowed_cpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
-  return std::max(1, CPU_COUNT(&set));
+  if (sched_getaffinity(0, sizeof set, &set) != 0) {
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) CPU_SET(cpu, &set);
+  }
+  return set;
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
@@ -111,6 +118,7 @@ struct alignas(64) ShmAllreduce::RankControl {
   std::atomic<uint32_t> wake;
   char pad2[56];
   CallMeta meta[2];               // per slot parity: what the call starting at that step is
+  cpu_set_t allowed;              // the CPUs this rank may run on, as of its last call
   int32_t pid;
   uint64_t pid_ns;
   char message[512];              // why this rank rejected its input or aborted
@@ -204,8 +212,8 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
              header_->block_bytes != layout_.block_bytes) {
     throw std::runtime_error("ddpx: shared memory segment was made by another ddpx version or layout");
   }
-  oversubscribed_ = layout_.nranks > usable_cpus();
   yield_ban_ = kFirstYieldBan;
+  control_[me_].allowed = allowed_cpus();
   control_[me_].pid = int32_t(getpid());
   control_[me_].pid_ns = pid_namespace();
 }
@@ -278,6 +286,34 @@ bool ShmAllreduce::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
   return false;
 }
 
+bool ShmAllreduce::awaited_may_run_on(Phase phase, uint64_t step, int cpu) const {
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (behind(r, phase, step) && (cpu < 0 || CPU_ISSET(cpu, &control_[r].allowed))) return true;
+  }
+  return false;
+}
+
+std::string ShmAllreduce::wait_policy() const {
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  bool apart = true;
+  const cpu_set_t& mine = control_[me_].allowed;
+  for (int r = 0; r < layout_.nranks; ++r) {
+    CPU_OR(&all, &all, &control_[r].allowed);
+    cpu_set_t shared;
+    CPU_AND(&shared, &mine, &control_[r].allowed);
+    if (r != me_ && CPU_COUNT(&shared) > 0) apart = false;
+  }
+  const auto us = [](auto d) { return std::to_string(d.count()) + " us"; };
+  if (layout_.nranks > CPU_COUNT(&all)) {
+    return "waits yield first (" + std::to_string(layout_.nranks) + " ranks may run on " +
+           std::to_string(CPU_COUNT(&all)) + " CPUs), then spin up to " + us(kSpinFor) +
+           ", then sleep";
+  }
+  return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
+         (apart ? " (this rank is bound apart from its peers)" : "") + ", then sleep";
+}
+
 ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
   return {waited_ns_.load(std::memory_order_relaxed), waits_.load(std::memory_order_relaxed),
           sleeps_.load(std::memory_order_relaxed), yields_.load(std::memory_order_relaxed),
@@ -285,13 +321,15 @@ ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
 }
 
 // The stages of a wait:
-// 1. With more local ranks than CPUs, the rank waited for is most likely queued behind this one,
+// 1. With more local ranks than the CPUs they may run on together (their bindings' union, read
+//    at every call), the rank waited for is most likely queued behind this one,
 //    and sched_yield hands it the CPU: poll with it for up to kYieldFor. A yield that returns
 //    after kLostYield gave the CPU to a process outside the job for a whole time slice (a busy
 //    machine): then yield no more for kFirstYieldBan, doubling up to kLastYieldBan while it
 //    keeps happening.
 // 2. Otherwise spin with a pause instruction for up to kSpinFor while the ranks waited for may be
-//    running on other CPUs; stop at once when one of them last published from this CPU, where
+//    running on other CPUs, kSpinApart when none of them may run on this one (ranks bound to
+//    cores of their own); stop at once when one of them last published from this CPU, where
 //    it cannot be running now (this thread is). Spinning keeps the CPU: a sleeper woken under
 //    load may wait a time slice for it.
 // 3. Sleep on the futex until a peer publishes; every kPoll, check whether a peer has exited,
@@ -316,12 +354,13 @@ bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step, WaitClock::time
 
 bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start) {
   const int cpu = sched_getcpu();
+  const auto spin_for = awaited_may_run_on(phase, step, cpu) ? kSpinFor : kSpinApart;
   do {
     for (int i = 0; i < 32; ++i) {
       if (peers_at(phase, step)) return true;
       cpu_relax();
     }
-  } while (!awaited_on_cpu(phase, step, cpu) && WaitClock::now() - start < kSpinFor);
+  } while (!awaited_on_cpu(phase, step, cpu) && WaitClock::now() - start < spin_for);
   return false;
 }
 
@@ -482,9 +521,16 @@ void ShmAllreduce::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t 
   chunk_bytes_ = chunk_bytes;
 }
 
-void ShmAllreduce::begin_call() const {
+void ShmAllreduce::begin_call() {
   if (!failure_.empty()) throw std::runtime_error(failure_ + " (the engine is unusable after this)");
   check_not_aborted();
+  // The binding is the user's and may change between calls (taskset -p): each call reads it.
+  // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
+  control_[me_].allowed = allowed_cpus();
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  for (int r = 0; r < layout_.nranks; ++r) CPU_OR(&all, &all, &control_[r].allowed);
+  oversubscribed_ = layout_.nranks > CPU_COUNT(&all);
 }
 
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {

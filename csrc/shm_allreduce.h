@@ -137,6 +137,8 @@ class ShmAllreduce {
     uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
   };
   WaitStats wait_stats() const;
+  // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
+  std::string wait_policy() const;
 
   int local_size() const { return layout_.nranks; }
   int local_rank() const { return me_; }
@@ -157,12 +159,14 @@ class ShmAllreduce {
   bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
   bool peers_at(Phase phase, uint64_t step) const;
   bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
+  // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
+  bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
   // The first two stages of wait_all, from the wait's start; true when the peers are there.
   bool yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start);
   bool spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start);
   void wait_all(Phase phase, uint64_t step, const std::string& what);
   // Raises if an earlier call failed here or on a peer; then the call may start.
-  void begin_call() const;
+  void begin_call();
   // Starts the next step of a node-local call: fill writes this rank's block into its input
   // slot, then every peer's is awaited; a call's first step also checks that the ranks agree.
   uint64_t exchange(const CallMeta& mine, bool first, const std::function<void(char*)>& fill,
@@ -200,7 +204,7 @@ class ShmAllreduce {
   size_t chunk_bytes_ = 0;
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
-  bool oversubscribed_;          // more local ranks than CPUs this process may run on
+  bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
   WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;
   std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};

@@ -120,3 +120,60 @@ def test_wait_stats_only_on_the_shared_memory_engine():
     for wait_stats, described in run_ranks(stats_and_path, 2, env=huge_blocks):
         assert "process-group path" in described
         assert wait_stats is None
+
+
+def _bind(cpu: int) -> None:
+    """Binds the calling thread, which makes every ddpx call of the tests, to `cpu`."""
+    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[cpu % CPUS]})
+
+
+def bound_waits_of_calls(rank, world):
+    """waits_of_calls with each rank bound to a core of its own, as mpirun binds 2 ranks."""
+    from ddpx.engine import engine_for
+
+    _bind(rank)
+    result = waits_of_calls(rank, world)
+    return (*result, engine_for().describe())
+
+
+@pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs to bind 2 ranks apart")
+def test_bound_busy_machine_no_yields(busy_machine):
+    # Each rank and a process outside the job share one core. A rank alone in its binding is
+    # not oversubscribed: its peer runs elsewhere, and a yield would hand the core to the other
+    # process for a time slice at every wait (the cliff mpirun's default binding showed).
+    for stats, elapsed, exact, described in run_ranks(bound_waits_of_calls, 2, timeout=180):
+        assert exact
+        assert stats["yields"] == 0, stats
+        check_bounded(stats, elapsed, 2)
+        assert stats["waits"] > 0, "the load did not make any rank wait: the test shows nothing"
+        assert "spin up to 500 us (this rank is bound apart from its peers)" in described
+
+
+def rebound_yields(rank, world):
+    """The yields of calls with the ranks unbound, then with every rank bound to one CPU."""
+    import ddpx
+    from ddpx.engine import engine_for
+
+    engine = engine_for()
+    yields, described = [], []
+    for bind in (False, True):
+        if bind:
+            _bind(0)
+        before = engine.wait_stats["yields"]
+        for _ in range(200):
+            ddpx.all_reduce(torch.ones(1024))
+        yields.append(engine.wait_stats["yields"] - before)
+        described.append(engine.describe())
+    return yields, described
+
+
+@pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs for the unbound half")
+def test_ranks_rebound_to_one_cpu_yield_to_each_other():
+    # The bindings are read at every call: unbound, 2 ranks have 2 CPUs and never yield; bound
+    # to one CPU together, the awaited rank can only run when this one gives the CPU up.
+    results = run_ranks(rebound_yields, 2, timeout=120)
+    for (unbound, bound), (free, together) in results:
+        assert unbound == 0
+        assert "spin up to 50 us, then sleep" in free
+        assert "waits yield first (2 ranks may run on 1 CPUs)" in together
+    assert sum(bound for (_, bound), _ in results) > 0
