@@ -175,7 +175,7 @@ from ddpx.bench.allreduce import ENGINES, SCHEDULES
 from ddpx.bench.collectives import COLLECTIVES, DEFAULT_COLLECTIVES
 from ddpx.bench.common import MPI_WORKDIR
 from ddpx.bench.fsdp import PRECISIONS
-from ddpx.bench.launch import launched, mpirun_rank, on_testbed, spawned
+from ddpx.bench.launch import BINDINGS, CELL_KEYS, launched, mpirun_rank, on_testbed, spawned
 from ddpx.bench.report import report
 from ddpx.bench.train import COMM_HOOKS
 
@@ -363,6 +363,20 @@ def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
         metavar="N",
         help="run N CPU-bound processes per core for the whole run (default 0: idle)",
     )
+    common.add_argument(
+        "--runs",
+        type=_positive,
+        default=1,
+        help="fresh launches of the ranks (allreduce and train; default 1): each cell's figures "
+        "are the median over them with the worst beside it, the JSON keeps every run",
+    )
+    common.add_argument(
+        "--bind",
+        choices=BINDINGS,
+        default="none",
+        help="core: bind each rank (and its threads) to one core, rank r to core r mod cores, as "
+        "mpirun binds 2 ranks by default; none: let them float (default)",
+    )
     return common
 
 
@@ -421,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
     uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]
     if uneven:
         sys.exit(f"ddpx-bench: --nodes {args.nodes} does not divide world size {uneven[0]} evenly")
+    if args.runs > 1 and (args.mode not in CELL_KEYS or args.link or "WORLD_SIZE" in os.environ):
+        sys.exit("ddpx-bench: --runs launches the ranks afresh, which it does for allreduce and "
+                 "train on this machine (not with --link, nor under a launcher): leave --runs out")
     if args.link and args.load:
         sys.exit("ddpx-bench: --load with --link would load every node's cores, which are the same "
                  "cores: leave one of them out")

@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,8 @@ from ddpx.bench.fsdp import bench_fsdp
 from ddpx.bench.train import bench_train
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
+# How the ranks are placed on the cores: mpirun's --bind-to for the ranks it starts.
+BINDINGS = ("none", "core")
 # Set by ddpx-bench for the ranks it starts on its testbed (--link): where rank 0 writes its result.
 TESTBED_RESULT = "DDPX_BENCH_TESTBED_RESULT"
 
@@ -48,14 +51,56 @@ def spawned(args, argv: list[str]) -> dict:
     """
     start = functools.partial(_mpirun, argv) if _runs_mpi(args) else _spawn
     prebuild_deepspeed_op(args)
-    results = []
+    runs = []
     with cpu_load(args.load) as load_pids:
         args.load_pids = load_pids  # for the JSON's settings
-        for world_size in args.world_sizes:
-            with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
-                start(world_size, args, workdir)
-                results.append(json.loads(Path(workdir, "result.json").read_text()))
-    return _merged(results)
+        for run in range(args.runs):
+            results = []
+            for world_size in args.world_sizes:
+                if args.runs > 1:
+                    say(f"run {run + 1}/{args.runs}, world size {world_size}: fresh ranks")
+                with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir:
+                    start(world_size, args, workdir)
+                    results.append(json.loads(Path(workdir, "result.json").read_text()))
+            runs.append(_merged(results))
+    return runs[0] if len(runs) == 1 else _over_runs(runs, CELL_KEYS[args.mode])
+
+
+# What names a row's cell across runs, per mode that takes --runs.
+CELL_KEYS = {"allreduce": ("world_size", "size_bytes", "engine"), "train": ("world_size", "hook")}
+# A row's figures where a bigger one is better; the others (times) are better smaller.
+_BIGGER_IS_BETTER = ("gb_per_s", "x_vs_gloo", "x_vs_best_peer", "x_vs_default")
+
+
+def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
+    """One result of several fresh launches: a row per cell whose figures are the median over
+    the runs, with each figure's worst run beside it as worst_<figure> (the largest time, the
+    smallest ratio); every run's own result stays under "runs"."""
+    cells = {}
+    for run in runs:
+        for row in run["rows"]:
+            cells.setdefault(tuple(row[key] for key in keys), []).append(row)
+    rows = []
+    for same_cell in cells.values():
+        row = dict(same_cell[0], runs=len(same_cell))
+        for figure, value in same_cell[0].items():
+            if figure in keys or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            values = [other[figure] for other in same_cell if other.get(figure) is not None]
+            if len(values) < len(same_cell):
+                continue
+            row[figure] = statistics.median(values)
+            if figure.endswith("_ms") or figure in _BIGGER_IS_BETTER:
+                worst = min if figure in _BIGGER_IS_BETTER else max
+                row[f"worst_{figure}"] = worst(values)
+        rows.append(row)
+    return {
+        "rows": rows,
+        "runs": runs,
+        "left_out": {name: why for run in runs for name, why in run["left_out"].items()},
+        "notes": list(dict.fromkeys(note for run in runs for note in run["notes"])),
+        "failures": [failure for run in runs for failure in run["failures"]],
+    }
 
 
 def on_testbed(args, argv: list[str]) -> dict:
@@ -132,17 +177,17 @@ def _mpirun(argv: list[str], world_size: int, args, workdir: str) -> None:
     `workdir` in their environment. Raise CalledProcessError if mpirun fails (a rank failed: it
     said why)."""
     command = [mpirun_path(), "--allow-run-as-root", "--oversubscribe"]
-    # Unbound, as the spawned ranks are: a bound rank's gloo and ddpx threads would share its core.
-    command += ["--bind-to", "none", "-np", str(world_size)]
+    # mpirun binds the ranks itself, by core in rank order, as it does by default for 2 ranks.
+    command += ["--bind-to", args.bind, "--map-by", "core", "-np", str(world_size)]
     command += [sys.executable, "-m", "ddpx.bench", *argv]
-    # Its own session keeps Ctrl-C ours to handle; it dies with ddpx-bench (its ranks die with it);
-    # what the ranks print is progress, so it goes to stderr: stdout is for the table.
+    # In ddpx-bench's session, as the --load processes are (see cpu_load); it dies with
+    # ddpx-bench (its ranks die with it); what the ranks print is progress, so it goes to stderr:
+    # stdout is for the table.
     mpirun = subprocess.Popen(
         command,
         env={**os.environ, MPI_WORKDIR: workdir},
         stdin=subprocess.DEVNULL,
         stdout=sys.stderr,
-        start_new_session=True,
         preexec_fn=_die_with_parent,
     )
     try:
@@ -165,6 +210,8 @@ def _runs_mpi(args) -> bool:
 
 def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
     _die_with_parent()
+    if MPI_WORKDIR not in os.environ:  # mpirun has bound its ranks
+        bind_rank(args.bind, rank)
     os.environ["GROUP_RANK"] = str(rank // (world_size // args.nodes))
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     dist.init_process_group(
@@ -179,6 +226,19 @@ def mpirun_rank(args) -> None:
     """Run as one of the ranks that _mpirun started: MPI numbers them; the rest is as spawned."""
     rank, world_size = (int(os.environ[f"OMPI_COMM_WORLD_{key}"]) for key in ("RANK", "SIZE"))
     _spawned_rank(rank, world_size, args, os.environ[MPI_WORKDIR])
+
+
+def bind_rank(binding: str, local_rank: int) -> None:
+    """Bind this process, and the threads it starts from now on, as `binding` says: "core", to
+    the local_rank-th core it may run on (modulo their number); "none" leaves it as it is."""
+    if binding == "core" and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+
+
+def _ignore_ctrl_c_and_die_with_parent() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+    _die_with_parent()
 
 
 def _die_with_parent() -> None:
@@ -197,6 +257,7 @@ def launched(args) -> dict | None:
     starts_load = os.environ.get("LOCAL_RANK", "0") == "0"
     with cpu_load(args.load if starts_load else 0) as load_pids:
         args.load_pids = load_pids  # for the JSON's settings
+        bind_rank(args.bind, int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("gloo", timeout=PG_TIMEOUT)
         dist.barrier()
         world_size = dist.get_world_size()
@@ -224,12 +285,14 @@ def cpu_load(per_core: int):
     try:
         for core in cores:
             for _ in range(per_core):
-                # Their own session: a Ctrl-C is for ddpx-bench, which stops them.
+                # In ddpx-bench's session, with the ranks, as a user's `taskset ... &` in the
+                # shell that launches the job: Linux's autogroups give each session its own share
+                # of a core, and a load in a session of its own would compete only with that
+                # share. A Ctrl-C is for ddpx-bench, which stops them.
                 process = subprocess.Popen(
                     [sys.executable, "-c", "while True: pass"],
                     stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=_ignore_ctrl_c_and_die_with_parent,
                 )
                 processes.append(process)
                 if hasattr(os, "sched_setaffinity"):

@@ -106,13 +106,21 @@ def format_report(document: dict) -> str:
 
 def _load_line(settings: dict) -> str:
     per_core, processes = settings.get("load", 0), len(settings.get("load_pids", []))
+    binding = ("ranks bound to a core each (rank r on core r mod cores)"
+               if settings.get("bind") == "core" else "ranks unbound")
     if not per_core:
-        return "load: none (idle)"
+        return f"load: none (idle); {binding}"
     plural = "process" if per_core == 1 else "processes"
-    return f"load: {per_core} CPU-bound {plural} per core ({processes} in all)"
+    return f"load: {per_core} CPU-bound {plural} per core ({processes} in all); {binding}"
+
+
+def _runs_line(runs: int, ratio: str) -> str:
+    return (f"{runs} fresh launches: every figure is the median over them; worst ms: the slowest "
+            f"launch's median, worst x: the launch with the smallest {ratio}")
 
 
 def _allreduce_table(rows: list[dict]) -> list[str]:
+    runs = rows[0].get("runs")
     inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
     linked = any("link" in row for row in rows)
     header = (
@@ -122,6 +130,7 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
         + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
         + (f"  {'inter-node MB/call':>18}" if inter_node else "")
         + f"  {'CPU busy/si %':>13}"
+        + (f"  {'worst ms':>9}  {'worst x peer':>12}" if runs else "")
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -134,6 +143,8 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
                f"{_ms(row.get('model_ms')):>9}  {_ratio(row.get('x_model')):>7}" if linked else "")
             + (f"  {_megabytes(row):>18}" if inter_node else "")
             + f"  {_cpu(row):>13}"
+            + (f"  {row['worst_median_ms']:>9.3f}  {_ratio(row.get('worst_x_vs_best_peer')):>12}"
+               if runs else "")
         )
     if linked:
         lines.append(
@@ -144,6 +155,8 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
         lines.append(_tcp_line(rows))
     lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
                  "and the share of it in softirq (the kernel's network stack), from /proc/stat")
+    if runs:
+        lines.append(_runs_line(runs, "x vs best peer"))
     peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
     if peers:
         lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
@@ -210,9 +223,11 @@ def _served(row: dict | None) -> str:
 
 
 def _train_table(rows: list[dict]) -> list[str]:
+    runs = rows[0].get("runs")
     header = (
         f"{'world':>5}  {'hook':<10}  {'median ms':>10}  {'p10-p90 ms':>13}  {'x vs default':>12}  "
-        f"{'max |diff|':>10}  {'tolerance':>9}  path"
+        + (f"{'worst ms':>9}  {'worst x':>7}  " if runs else "")
+        + f"{'max |diff|':>10}  {'tolerance':>9}  path"
     )
     lines = [header, "-" * len(header)]
     for row in rows:
@@ -223,12 +238,17 @@ def _train_table(rows: list[dict]) -> list[str]:
         )
         lines.append(
             f"{row['world_size']:>5}  {row['hook']:<10}  {row['median_ms']:>10.1f}  "
-            f"{_spread(row, 1):>13}  {_ratio(row['x_vs_default']):>12}  {diff}  {row['describe']}"
+            f"{_spread(row, 1):>13}  {_ratio(row['x_vs_default']):>12}  "
+            + (f"{row['worst_median_ms']:>9.1f}  {_ratio(row.get('worst_x_vs_default')):>7}  "
+               if runs else "")
+            + f"{diff}  {row['describe']}"
         )
     lines.append(
         f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "
         f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
     )
+    if runs:
+        lines.append(_runs_line(runs, "x vs default"))
     nodes = rows[0].get("nodes", 1)
     if nodes > 1:
         lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
