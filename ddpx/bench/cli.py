@@ -45,6 +45,20 @@ load ("load: 1 CPU-bound process per core (2 in all)"), the JSON's settings hold
 
     ddpx-bench allreduce --world_sizes 2 --sizes 1M --load 1
 
+The load runs in ddpx-bench's session, with the ranks, as processes started from the job's shell
+would: Linux's autogroups first share a core between sessions, so a load in a session of its own
+would only compete with the job's share of it.
+
+--bind core (every mode; default none) binds rank r, and every thread it starts, to core r modulo
+the cores, before it starts any, as mpirun binds 2 ranks by default (the ranks mpirun starts are
+bound by mpirun itself: --bind-to core --map-by core); --bind none leaves them to the scheduler.
+--runs N (allreduce and train on this machine; default 1) launches the ranks of every world size
+N times afresh under the same load: each cell's figures are then the median over the N launches,
+with the slowest launch's median (worst ms) and the smallest ratio (worst x) beside them, and the
+JSON keeps every launch's own result under "runs". Under load one launch decides nothing:
+
+    ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,25M --load 1 --bind core --runs 5
+
 allreduce: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
 1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
 (ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
