@@ -293,21 +293,26 @@ bool ShmAllreduce::awaited_may_run_on(Phase phase, uint64_t step, int cpu) const
   return false;
 }
 
-std::string ShmAllreduce::wait_policy() const {
+int ShmAllreduce::ranks_cpu_count() const {
   cpu_set_t all;
   CPU_ZERO(&all);
+  for (int r = 0; r < layout_.nranks; ++r) CPU_OR(&all, &all, &control_[r].allowed);
+  return CPU_COUNT(&all);
+}
+
+std::string ShmAllreduce::wait_policy() const {
   bool apart = true;
   const cpu_set_t& mine = control_[me_].allowed;
   for (int r = 0; r < layout_.nranks; ++r) {
-    CPU_OR(&all, &all, &control_[r].allowed);
     cpu_set_t shared;
     CPU_AND(&shared, &mine, &control_[r].allowed);
     if (r != me_ && CPU_COUNT(&shared) > 0) apart = false;
   }
   const auto us = [](auto d) { return std::to_string(d.count()) + " us"; };
-  if (layout_.nranks > CPU_COUNT(&all)) {
+  const int cpus = ranks_cpu_count();
+  if (layout_.nranks > cpus) {
     return "waits yield first (" + std::to_string(layout_.nranks) + " ranks may run on " +
-           std::to_string(CPU_COUNT(&all)) + " CPUs), then spin up to " + us(kSpinFor) +
+           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) +
            ", then sleep";
   }
   return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
@@ -527,10 +532,7 @@ void ShmAllreduce::begin_call() {
   // The binding is the user's and may change between calls (taskset -p): each call reads it.
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
-  cpu_set_t all;
-  CPU_ZERO(&all);
-  for (int r = 0; r < layout_.nranks; ++r) CPU_OR(&all, &all, &control_[r].allowed);
-  oversubscribed_ = layout_.nranks > CPU_COUNT(&all);
+  oversubscribed_ = layout_.nranks > ranks_cpu_count();
 }
 
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {

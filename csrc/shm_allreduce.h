@@ -159,6 +159,8 @@ class ShmAllreduce {
   bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
   bool peers_at(Phase phase, uint64_t step) const;
   bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
+  // How many CPUs the local ranks may run on together, as each last published its binding.
+  int ranks_cpu_count() const;
   // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
   bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
   // The first two stages of wait_all, from the wait's start; true when the peers are there.

@@ -94,13 +94,7 @@ def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
                 worst = min if figure in _BIGGER_IS_BETTER else max
                 row[f"worst_{figure}"] = worst(values)
         rows.append(row)
-    return {
-        "rows": rows,
-        "runs": runs,
-        "left_out": {name: why for run in runs for name, why in run["left_out"].items()},
-        "notes": list(dict.fromkeys(note for run in runs for note in run["notes"])),
-        "failures": [failure for run in runs for failure in run["failures"]],
-    }
+    return {**_merged(runs), "rows": rows, "runs": runs}
 
 
 def on_testbed(args, argv: list[str]) -> dict:
