@@ -64,9 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("unlink", &ShmSegment::unlink, py::arg("name"))
       .def_property_readonly("nbytes", &ShmSegment::size);
 
-  m.def("shm_segment_bytes", [](int nranks, size_t block_bytes) {
-    return ShmLayout{nranks, block_bytes}.segment_bytes();
-  }, py::arg("nranks"), py::arg("block_bytes"));
+  m.def("shm_segment_bytes", [](int nranks, size_t block_bytes, size_t wide_bytes) {
+    return ShmLayout{nranks, block_bytes, wide_bytes}.segment_bytes();
+  }, py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"));
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", py::module_local())
       .def("run",
@@ -101,6 +101,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             TORCH_CHECK(shm, "ddpx: only the shared-memory engine has a one-shot size");
             shm->shm().set_one_shot_bytes(bytes);
           })
+      .def_property(
+          "steps",
+          [](Engine& e) -> std::optional<std::string> {
+            auto* shm = dynamic_cast<ShmEngine*>(&e);
+            if (!shm) return std::nullopt;
+            static const char* const names[] = {"timed", "narrow", "wide"};
+            return std::string(names[int(shm->shm().steps())]);
+          },
+          [](Engine& e, const std::string& steps) {
+            auto* shm = dynamic_cast<ShmEngine*>(&e);
+            TORCH_CHECK(shm, "ddpx: only the shared-memory engine has steps to choose");
+            using Steps = ShmAllreduce::Steps;
+            const Steps chosen = steps == "timed"    ? Steps::Timed
+                                 : steps == "narrow" ? Steps::Narrow
+                                 : steps == "wide"   ? Steps::Wide
+                                                     : throw std::invalid_argument(
+                                                           "ddpx: steps must be 'timed', 'narrow' "
+                                                           "or 'wide', got '" + steps + "'");
+            shm->shm().set_steps(chosen);
+          })
       .def_property_readonly("wait_stats", [](const Engine& e) -> std::optional<py::dict> {
         const auto* shm = dynamic_cast<const ShmEngine*>(&e);
         if (!shm) return std::nullopt;
@@ -118,21 +138,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }, py::call_guard<py::gil_scoped_release>());
 
   m.def("make_shm_engine",
-        [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, int local_rank,
+        [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, size_t wide_bytes,
+           int local_rank,
            std::vector<int> ranks, size_t one_shot_bytes, double timeout_s, bool initialize,
            std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes,
            size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
            std::string abort_key) {
           auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
           auto shm = std::make_unique<ShmAllreduce>(std::move(segment),
-                                                    ShmLayout{nranks, block_bytes}, local_rank,
+                                                    ShmLayout{nranks, block_bytes, wide_bytes},
+                                                    local_rank,
                                                     std::move(ranks), one_shot_bytes, timeout,
                                                     initialize);
           return std::shared_ptr<Engine>(std::make_shared<ShmEngine>(
               std::move(shm), std::move(across_nodes), timeout, cross_chunk_bytes,
               store.value_or(c10::intrusive_ptr<c10d::Store>()), std::move(abort_key)));
         },
-        py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("local_rank"),
+        py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
+        py::arg("local_rank"),
         py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"), py::arg("initialize"),
         py::arg("across_nodes") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
         py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),

@@ -549,8 +549,13 @@ std::string ShmEngine::describe() const {
   std::ostringstream out;
   const ShmAllreduce& shm = *queue_->shm;
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
-      << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks, "
-      << kernels().isa << " kernels";
+      << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks";
+  if (!across_nodes_ && shm.wide_bytes() > shm.block_bytes()) {
+    const std::string wide = shm.wide_sizes();
+    out << " (" << (shm.wide_bytes() >> 10) << " KiB for the sizes that go faster so, now "
+        << (wide.empty() ? "none" : wide) << ")";
+  }
+  out << ", " << kernels().isa << " kernels";
   if (!across_nodes_) out << ", one-shot up to " << (shm.one_shot_bytes() >> 10) << " KiB";
   out << "; " << shm.wait_policy();
   if (across_nodes_) {

@@ -20,7 +20,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3478706464ULL;  // "ddpx4": ranks publish their CPUs
+constexpr uint64_t kMagic = 0x3578706464ULL;  // "ddpx5": wide slots, rank 0 picks the steps
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
 // measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
@@ -39,6 +39,13 @@ constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr size_t kStreamBytes = size_t(8) << 20;
+// Local rank 0 tries the width it times slower once every this many calls of a class, so that a
+// change in the machine's load shows, less often when it was far slower; the first calls of a
+// class alternate.
+constexpr uint32_t kRetryEvery = 16;
+constexpr uint32_t kRetryFarSlowerEvery = 64;
+constexpr double kFarSlower = 1.5;
+constexpr uint32_t kFirstTries = 2;
 // Chunks started across nodes and not yet all-gathered, per rank (README, "Across a network").
 constexpr int64_t kCrossChunksInFlight = 6;
 
@@ -104,6 +111,7 @@ struct ShmAllreduce::CallMeta {
   double scale;
   int32_t op;     // a Collective
   int32_t root;   // broadcast's source rank, else 0
+  uint32_t wide_mask;  // local rank 0's only: the step classes the calls after this go wide in
 };
 
 struct alignas(64) ShmAllreduce::RankControl {
@@ -128,6 +136,7 @@ struct ShmAllreduce::Header {
   uint64_t magic;
   int32_t nranks;
   uint64_t block_bytes;
+  uint64_t wide_bytes;
   alignas(64) std::atomic<int32_t> aborted_by;  // 0, or the local rank + 1 that gave up
 };
 
@@ -175,9 +184,9 @@ size_t ShmLayout::data_offset() const {
 }
 
 size_t ShmLayout::segment_bytes() const {
-  // Two input slots per rank, then two output slots that hold a block's sum in float32: twice
-  // the bytes of a block in the narrowest wire dtype.
-  return data_offset() + 2 * size_t(nranks) * block_bytes + 2 * 2 * block_bytes;
+  // Two input slots per rank, then two output slots that hold a wide block's sum in float32:
+  // twice the bytes of a block in the narrowest wire dtype.
+  return data_offset() + 2 * size_t(nranks) * wide_bytes + 2 * 2 * wide_bytes;
 }
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
@@ -198,6 +207,9 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
   if (layout_.block_bytes == 0 || layout_.block_bytes % kPage != 0) {
     throw std::invalid_argument("ddpx: block size must be a positive multiple of 4 KiB");
   }
+  if (layout_.wide_bytes < layout_.block_bytes || layout_.wide_bytes % layout_.block_bytes != 0) {
+    throw std::invalid_argument("ddpx: the wide block must be a multiple of the block");
+  }
   if (segment_->size() != layout_.segment_bytes()) {
     throw std::invalid_argument("ddpx: shared memory segment does not match its layout");
   }
@@ -207,9 +219,11 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
   if (initialize) {
     header_->nranks = layout_.nranks;
     header_->block_bytes = layout_.block_bytes;
+    header_->wide_bytes = layout_.wide_bytes;
     header_->magic = kMagic;
   } else if (header_->magic != kMagic || header_->nranks != layout_.nranks ||
-             header_->block_bytes != layout_.block_bytes) {
+             header_->block_bytes != layout_.block_bytes ||
+             header_->wide_bytes != layout_.wide_bytes) {
     throw std::runtime_error("ddpx: shared memory segment was made by another ddpx version or layout");
   }
   yield_ban_ = kFirstYieldBan;
@@ -219,11 +233,66 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
 }
 
 char* ShmAllreduce::input_slot(int rank, uint64_t step) const {
-  return data_ + (2 * size_t(rank) + (step & 1)) * layout_.block_bytes;
+  return data_ + (2 * size_t(rank) + (step & 1)) * layout_.wide_bytes;
 }
 
 char* ShmAllreduce::output_slot(uint64_t step) const {
-  return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.block_bytes;
+  return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.wide_bytes;
+}
+
+int ShmAllreduce::step_class(size_t bytes) const {
+  if (cross_node_ || layout_.wide_bytes == layout_.block_bytes || bytes <= layout_.block_bytes) {
+    return -1;
+  }
+  const uint64_t blocks = (bytes - 1) / layout_.block_bytes;
+  return std::min(kStepClasses - 1, 63 - __builtin_clzll(blocks));
+}
+
+// Local rank 0 decides for all, from its own times: the ranks end a call together, so its time is
+// the call's. A class's first calls try both widths; then the faster goes on, and the slower
+// is tried again every kRetryEvery calls.
+uint32_t ShmAllreduce::choose_steps() const {
+  uint32_t mask = 0;
+  for (int k = 0; k < kStepClasses; ++k) {
+    const StepTimes& t = step_times_[k];
+    bool wide;
+    if (t.timed[0] < kFirstTries || t.timed[1] < kFirstTries) {
+      wide = t.timed[1] < t.timed[0];
+    } else {
+      const bool faster = t.ns_per_byte[1] < t.ns_per_byte[0];
+      const double ratio = t.ns_per_byte[!faster] / t.ns_per_byte[faster];
+      const uint32_t every = ratio > kFarSlower ? kRetryFarSlowerEvery : kRetryEvery;
+      wide = (t.timed[0] + t.timed[1]) % every == 0 ? !faster : faster;
+    }
+    if (wide) mask |= uint32_t(1) << k;
+  }
+  return mask;
+}
+
+void ShmAllreduce::time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took) {
+  StepTimes& t = step_times_[step_class];
+  const double ns_per_byte = double(std::chrono::nanoseconds(took).count()) / double(bytes);
+  // A retry of the slower width stands for it alone: if it beats the faster's average, the two
+  // swap, and a fluke is undone within a few calls as the new one's average catches up.
+  const bool retry = t.timed[0] >= kFirstTries && t.timed[1] >= kFirstTries &&
+                     t.ns_per_byte[wide] > t.ns_per_byte[!wide];
+  double& average = t.ns_per_byte[wide];
+  average = t.timed[wide]++ == 0 || retry ? ns_per_byte : average + (ns_per_byte - average) / 4;
+}
+
+std::string ShmAllreduce::wide_sizes() const {
+  const Steps steps = this->steps();
+  if (step_class(layout_.block_bytes + 1) < 0 || steps == Steps::Narrow) return "";
+  if (steps == Steps::Wide) return "over " + std::to_string(layout_.block_bytes >> 10) + " KiB";
+  std::string out;
+  const uint32_t mask = wide_mask_.load(std::memory_order_relaxed);
+  for (int k = 0; k < kStepClasses; ++k) {
+    if (!(mask >> k & 1)) continue;
+    const size_t lo = layout_.block_bytes << k;
+    out += (out.empty() ? "" : ", ") + std::to_string(lo >> 10) + "-" +
+           (k == kStepClasses - 1 ? std::string("") : std::to_string((2 * lo) >> 10)) + " KiB";
+  }
+  return out;
 }
 
 std::string ShmAllreduce::rank_name(int local) const {
@@ -533,16 +602,28 @@ void ShmAllreduce::begin_call() {
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
   oversubscribed_ = layout_.nranks > ranks_cpu_count();
+  wide_mask_.store(agreed_mask_, std::memory_order_relaxed);
+}
+
+ShmAllreduce::CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
+                                               int32_t wire, double scale, int root) {
+  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root,
+                  me_ == 0 ? choose_steps() : 0};
+}
+
+void ShmAllreduce::agree_on_steps(uint64_t first_step) {
+  agreed_mask_ = control_[0].meta[first_step & 1].wide_mask;
 }
 
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
   begin_call();
   const uint64_t step = ++step_;
-  const CallMeta rejected{++calls_, -1, 0, 0, 0.0, 0, 0};
+  const CallMeta rejected = call_meta(Collective::AllReduce, -1, 0, 0, 0.0, 0);
   control_[me_].meta[step & 1] = rejected;
   std::snprintf(control_[me_].message, sizeof control_[me_].message, "%s", reason.c_str());
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
+  agree_on_steps(step);
   if (cross_node_) {
     start_node_check(rejected, false, what);
     try {
@@ -565,15 +646,24 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   // the tensor's dtype once, and is the same bits whichever schedule reduced it.
   const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
   const size_t acc_size = dtype_size(acc);
-  const int64_t per_block = int64_t(layout_.block_bytes / wire_size);
+  const size_t bytes = size_t(numel) * wire_size;
+  const int width_class = step_class(bytes);
+  const Steps steps = this->steps();
+  const bool wide =
+      width_class >= 0 &&
+      (steps == Steps::Wide ||
+       (steps == Steps::Timed && (wide_mask_.load(std::memory_order_relaxed) >> width_class & 1)));
+  const auto started = WaitClock::now();
+  const int64_t per_block =
+      int64_t((wide ? layout_.wide_bytes : layout_.block_bytes) / wire_size);
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
-  const bool one_shot = !cross_node_ && size_t(numel) * wire_size <= one_shot_bytes();
+  const bool one_shot = !cross_node_ && bytes <= one_shot_bytes();
   const int n = layout_.nranks;
   // Results larger than the last-level cache go out with streaming stores.
   const Store out_store =
       size_t(numel) * data_size >= kStreamBytes ? Store::Streaming : Store::Cached;
-  const CallMeta mine{++calls_, numel, int32_t(dtype), int32_t(wire), scale,
-                      int32_t(Collective::AllReduce), 0};
+  const CallMeta mine =
+      call_meta(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale, 0);
   const void* srcs[kMaxLocalRanks];
 
   auto block_count = [&](int64_t b) {
@@ -613,6 +703,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     }
     publish(Phase::Arrive, step);
     wait_all(Phase::Arrive, step, what);
+    if (b == 0) agree_on_steps(step);
     if (b == 0 && !cross_node_) {
       check_peers_agree(mine, what);
     } else if (b == 0) {
@@ -651,6 +742,9 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       const auto [lo, hi] = my_slice(count);
       sum_my_slice(step, b, lo, hi, output_slot(step) + size_t(lo) * acc_size);
       gather(step, b);
+    }
+    if (me_ == 0 && width_class >= 0 && steps == Steps::Timed) {
+      time_steps(width_class, wide, bytes, WaitClock::now() - started);
     }
     return;
   }
@@ -728,7 +822,7 @@ ShmAllreduce::CallMeta ShmAllreduce::local_call(Collective op, int64_t numel, in
     throw std::invalid_argument("ddpx: " + what + " spans nodes; the shared-memory engine "
                                 "all-reduces across nodes, the other collectives stay on one");
   }
-  return CallMeta{++calls_, numel, dtype, dtype, scale, int32_t(op), root};
+  return call_meta(op, numel, dtype, dtype, scale, root);
 }
 
 uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
@@ -738,7 +832,10 @@ uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
   fill(input_slot(me_, step));
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
-  if (first) check_peers_agree(mine, what);
+  if (first) {
+    agree_on_steps(step);
+    check_peers_agree(mine, what);
+  }
   return step;
 }
 

@@ -2,7 +2,9 @@
 //
 // Every rank owns two input slots in one POSIX shared-memory segment; a message goes through in
 // blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
-// the last one. Each rank publishes a monotonic step counter when its block is in; readers wait
+// the last one. An all-reduce goes in narrow blocks, which stay in the cache, or in wide ones,
+// which need fewer synchronisations: on a busy machine each can cost a peer's time slice. Local
+// rank 0 times both per size class as the job runs and picks for all (see choose_steps). Each rank publishes a monotonic step counter when its block is in; readers wait
 // for every peer's counter, never for a global barrier. The blocks of small messages are summed
 // by every rank (one-shot: one synchronisation per step); those of large ones are split, each
 // rank sums its slice into a shared float32 output slot, and all copy the whole result out
@@ -53,7 +55,8 @@ class ShmSegment {
 
 struct ShmLayout {
   int nranks;
-  size_t block_bytes;  // bytes of one rank's block, in the wire dtype
+  size_t block_bytes;  // bytes of one rank's narrow block, in the wire dtype
+  size_t wide_bytes;   // bytes of a wide one, a multiple of block_bytes; the slots hold one
 
   size_t segment_bytes() const;
 
@@ -124,6 +127,13 @@ class ShmAllreduce {
   // before any data crosses.
   void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes);
 
+  // How the all-reduce picks its steps' width; every rank must set the same, between calls.
+  enum class Steps { Timed, Narrow, Wide };
+  void set_steps(Steps steps) { steps_.store(steps, std::memory_order_relaxed); }
+  Steps steps() const { return steps_.load(std::memory_order_relaxed); }
+  // Which sizes the next all-reduce calls go in wide steps for, as "a-b KiB" ranges.
+  std::string wide_sizes() const;
+
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   void reject(const std::string& reason, const std::string& what);
@@ -143,6 +153,7 @@ class ShmAllreduce {
   int local_size() const { return layout_.nranks; }
   int local_rank() const { return me_; }
   size_t block_bytes() const { return layout_.block_bytes; }
+  size_t wide_bytes() const { return layout_.wide_bytes; }
 
  private:
   struct Header;
@@ -186,6 +197,17 @@ class ShmAllreduce {
   [[noreturn]] void fail_node_check(const std::string& what, const std::exception& e);
   void finish_node_check(const CallMeta& mine, const std::string& local_error,
                          const std::string& what);
+  // Step widths: an all-reduce of more than one narrow block falls in size class
+  // floor(log2((bytes - 1) / block_bytes)), capped; bit k of a mask says class k goes wide.
+  static constexpr int kStepClasses = 32;
+  int step_class(size_t bytes) const;
+  uint32_t choose_steps() const;  // local rank 0's mask for the calls after this one
+  // A call's description, with local rank 0's choice of steps for the calls after it.
+  CallMeta call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
+                     int root);
+  // Every rank reads local rank 0's choice after a call's first step, whatever the call.
+  void agree_on_steps(uint64_t first_step);
+  void time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took);
   std::string rank_name(int local) const;
   [[noreturn]] void fail(const std::string& message);
   void check_not_aborted() const;
@@ -206,6 +228,17 @@ class ShmAllreduce {
   size_t chunk_bytes_ = 0;
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
+  std::atomic<Steps> steps_{Steps::Timed};
+  // This call's, agreed at the previous call's first step; describe() reads it between calls.
+  std::atomic<uint32_t> wide_mask_{0};
+  uint32_t agreed_mask_ = 0;   // local rank 0's, read at this call's first step
+  // Local rank 0's measurements, per class and width (narrow, wide): a moving average of the
+  // time per byte, and how many calls of the class it timed.
+  struct StepTimes {
+    double ns_per_byte[2] = {0.0, 0.0};
+    uint32_t timed[2] = {0, 0};
+  };
+  StepTimes step_times_[kStepClasses];
   bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
   WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;

@@ -34,8 +34,10 @@ logger = logging.getLogger("ddpx")
 _SHM_DIR = "/dev/shm"
 _SEGMENT_PREFIX = "ddpx-"
 # Measured on 2 cores with 2 and 4 ranks (README): 256 KiB blocks keep a step's slots in the
-# last-level cache.
+# last-level cache. On a busy machine a synchronisation can cost a time slice, and wide blocks,
+# 16 times fewer, were up to 2x faster there (docs/under-load.md); the engine times both.
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
+_WIDE_KB = int(os.environ.get("DDPX_WIDE_KB", "4096"))
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
 # each with a second exchange (two-phase). Which schedule is faster from tens of KiB to a few MiB
 # depends on how the node's cores share their caches, which can change from one launch to the
@@ -143,18 +145,23 @@ class _Meeting:
         return self.store.get(f"{self.prefix}/{key}").decode()
 
 
-def _create_segment(name: str, size: int, block_bytes: int):
+def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
+    """The segment and its wide block: the one asked for, halved while it would take more than
+    half of what /dev/shm has free, down to the block itself."""
     C = extension()
     _remove_stale_segments()
-    nbytes = C.shm_segment_bytes(size, block_bytes)
     free = _shm_free_bytes()
+    wide_bytes = max(wide_bytes, block_bytes) // block_bytes * block_bytes
+    while wide_bytes > block_bytes and C.shm_segment_bytes(size, block_bytes, wide_bytes) > free // 2:
+        wide_bytes = max(block_bytes, wide_bytes // 2 // block_bytes * block_bytes)
+    nbytes = C.shm_segment_bytes(size, block_bytes, wide_bytes)
     if free < nbytes + (1 << 20):
         raise RuntimeError(
             f"/dev/shm has {free >> 20} MiB free and the shared-memory engine needs "
             f"{(nbytes >> 20) + 1} MiB for {size} ranks: start the container with a larger "
             "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
         )
-    return C.ShmSegment.create(name, nbytes)
+    return C.ShmSegment.create(name, nbytes), wide_bytes
 
 
 def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, ranks: list[int],
@@ -164,20 +171,22 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
     C = extension()
     size, index = len(local), local.index(me)
     names = [ranks[r] for r in local]
-    block_bytes, one_shot_bytes = (int(v) for v in meeting.get("layout").split())
+    block_bytes, wide_bytes, one_shot_bytes = (int(v) for v in meeting.get("layout").split())
+    if across_nodes:  # the nodes would have to agree on every call's steps: narrow ones only
+        wide_bytes = block_bytes
     if index == 0:
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
-            segment = _create_segment(name, size, block_bytes)
-            engine = C.make_shm_engine(segment, size, block_bytes, 0, names, one_shot_bytes,
-                                       timeout.total_seconds(), True, across_nodes,
+            segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes)
+            engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, 0, names,
+                                       one_shot_bytes, timeout.total_seconds(), True, across_nodes,
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put(f"segment/{node}", f"error {error}")
             C.ShmSegment.unlink(name)
             return str(error)
-        meeting.put(f"segment/{node}", f"ok {name}")
+        meeting.put(f"segment/{node}", f"ok {name} {wide_bytes}")
         try:
             verdicts = [meeting.get(f"attached/{node}/{i}") for i in range(1, size)]
         finally:
@@ -186,11 +195,14 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
         status, _, name = meeting.get(f"segment/{node}").partition(" ")
         if status != "ok":
             return name
+        name, wide = name.split()
+        wide_bytes = int(wide)
         engine, verdict = None, "ok"
         try:
-            segment = C.ShmSegment.attach(name, C.shm_segment_bytes(size, block_bytes))
-            engine = C.make_shm_engine(segment, size, block_bytes, index, names, one_shot_bytes,
-                                       timeout.total_seconds(), False, across_nodes,
+            segment = C.ShmSegment.attach(name,
+                                          C.shm_segment_bytes(size, block_bytes, wide_bytes))
+            engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, index, names,
+                                       one_shot_bytes, timeout.total_seconds(), False, across_nodes,
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001
@@ -264,7 +276,7 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
     groups between nodes, for a group that spans several."""
     size = len(ranks)
     if me == 0:
-        meeting.put("layout", f"{_BLOCK_KB * 1024} {_ONE_SHOT_KB * 1024}")
+        meeting.put("layout", f"{_BLOCK_KB * 1024} {_WIDE_KB * 1024} {_ONE_SHOT_KB * 1024}")
     meeting.put(f"node/{me}", _node_identity())
     nodes = [meeting.get(f"node/{r}") for r in range(size)]
     names = list(dict.fromkeys(nodes))

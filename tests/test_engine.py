@@ -283,3 +283,44 @@ def test_the_schedule_chosen_at_creation_is_the_same_on_every_rank(world):
         assert other[0] == chosen and other[2] == results
     for n in (8191, 262147, 1_000_003):
         assert results[(4096, n)] == results[(32, n)]
+
+
+WIDE_STEPS = {**SMALL_BLOCKS, "DDPX_WIDE_KB": "256"}
+
+
+def steps_battery(rank, world):
+    import ddpx
+    from ddpx.engine import engine_for
+
+    engine = engine_for()
+    with pytest.raises(ValueError, match="'timed', 'narrow' or 'wide', got 'fast'"):
+        engine.steps = "fast"
+    prints = {}
+    for steps in ("narrow", "wide", "timed"):
+        engine.steps = steps
+        for dtype, compression in ((torch.float32, None), (torch.bfloat16, None),
+                                   (torch.float32, "bf16"), (torch.float64, None)):
+            for n in (16385, 65537, 200_003, 1_000_003):
+                inputs = [rank_input(r, n, dtype) for r in range(world)]
+                # Timed: enough calls of each size for rank 0 to try both widths and pick.
+                for _ in range(6 if steps == "timed" else 1):
+                    out = inputs[rank].clone()
+                    ddpx.all_reduce(out, compression=compression)
+                if compression is None:
+                    assert_close_to_sum(out, inputs)
+                prints[(steps, str(dtype), compression, n)] = fingerprint(out)
+    return prints, engine.describe()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_narrow_wide_and_timed_steps_give_the_same_bits_and_agree(world):
+    """Narrow (64 KiB) and wide (256 KiB) steps sum every element in rank order in float32, so
+    each gives the same bits; with timed steps, local rank 0's choice is every rank's."""
+    runs = run_ranks(steps_battery, world, env=WIDE_STEPS)
+    prints, described = runs[0]
+    for key, value in prints.items():
+        if key[0] != "narrow":
+            assert value == prints[("narrow", *key[1:])], key
+    assert "64 KiB blocks (256 KiB for the sizes that go faster so, now " in described
+    for other in runs[1:]:
+        assert other == runs[0]
