@@ -31,6 +31,9 @@ constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while 
 // then it competes only with what else runs on this CPU, which the scheduler shares out anyway,
 // and a rank that sleeps through a peer's short descheduling waits a time slice to get back.
 constexpr auto kSpinApart = std::chrono::microseconds(500);
+// A rank working through narrow blocks publishes every few tens of microseconds; one silent for
+// this long is off its CPU, and spinning on would only spend this rank's share of its own.
+constexpr auto kPeerQuiet = std::chrono::microseconds(300);
 constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
 // A peer's share of one step takes well under this; a process outside the job, given the CPU by
 // a yield, keeps it for a time slice (a scheduler tick, 4 ms at HZ=250).
@@ -119,7 +122,8 @@ struct alignas(64) ShmAllreduce::RankControl {
   char pad0[56];
   std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
   std::atomic<int32_t> cpu;       // the CPU this rank last published from
-  char pad1[52];
+  std::atomic<int64_t> published_ns;  // when this rank last published, on the steady clock
+  char pad1[44];
   // Peers waiting for this rank sleep on `wake`, which it bumps when it publishes while
   // `sleepers` > 0: a publish wakes only the ranks that wait for this one.
   std::atomic<uint32_t> sleepers;
@@ -302,6 +306,7 @@ std::string ShmAllreduce::rank_name(int local) const {
 void ShmAllreduce::publish(Phase phase, uint64_t step) {
   RankControl& mine = control_[me_];
   mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);
+  mine.published_ns.store(WaitClock::now().time_since_epoch().count(), std::memory_order_relaxed);
   counter(me_, phase).store(step, std::memory_order_seq_cst);
   // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
   if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
@@ -362,6 +367,16 @@ bool ShmAllreduce::awaited_may_run_on(Phase phase, uint64_t step, int cpu) const
   return false;
 }
 
+bool ShmAllreduce::awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const {
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (behind(r, phase, step) &&
+        control_[r].published_ns.load(std::memory_order_relaxed) >= since_ns) {
+      return false;
+    }
+  }
+  return true;
+}
+
 int ShmAllreduce::ranks_cpu_count() const {
   cpu_set_t all;
   CPU_ZERO(&all);
@@ -385,7 +400,8 @@ std::string ShmAllreduce::wait_policy() const {
            ", then sleep";
   }
   return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
-         (apart ? " (this rank is bound apart from its peers)" : "") + ", then sleep";
+         (apart ? " (this rank is bound apart from its peers)" : "") +
+         ", less once the awaited ranks are silent for " + us(kPeerQuiet) + ", then sleep";
 }
 
 ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
@@ -404,8 +420,9 @@ ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
 // 2. Otherwise spin with a pause instruction for up to kSpinFor while the ranks waited for may be
 //    running on other CPUs, kSpinApart when none of them may run on this one (ranks bound to
 //    cores of their own); stop at once when one of them last published from this CPU, where
-//    it cannot be running now (this thread is). Spinning keeps the CPU: a sleeper woken under
-//    load may wait a time slice for it.
+//    it cannot be running now (this thread is), and in narrow steps when none of them has
+//    published for kPeerQuiet (descheduled). Spinning keeps the CPU: a sleeper woken under load
+//    may wait a time slice for it.
 // 3. Sleep on the futex until a peer publishes; every kPoll, check whether a peer has exited,
 //    and give up at the timeout.
 bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start) {
@@ -429,12 +446,17 @@ bool ShmAllreduce::yield_while_cheap(Phase phase, uint64_t step, WaitClock::time
 bool ShmAllreduce::spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start) {
   const int cpu = sched_getcpu();
   const auto spin_for = awaited_may_run_on(phase, step, cpu) ? kSpinFor : kSpinApart;
+  const int64_t quiet_ns = std::chrono::nanoseconds(kPeerQuiet).count();
+  WaitClock::time_point now;
   do {
     for (int i = 0; i < 32; ++i) {
       if (peers_at(phase, step)) return true;
       cpu_relax();
     }
-  } while (!awaited_on_cpu(phase, step, cpu) && WaitClock::now() - start < spin_for);
+    now = WaitClock::now();
+  } while (!awaited_on_cpu(phase, step, cpu) && now - start < spin_for &&
+           (wide_steps_ ||
+            !awaited_quiet(phase, step, now.time_since_epoch().count() - quiet_ns)));
   return false;
 }
 
@@ -603,6 +625,7 @@ void ShmAllreduce::begin_call() {
   control_[me_].allowed = allowed_cpus();
   oversubscribed_ = layout_.nranks > ranks_cpu_count();
   wide_mask_.store(agreed_mask_, std::memory_order_relaxed);
+  wide_steps_ = false;
 }
 
 ShmAllreduce::CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
@@ -653,6 +676,7 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       width_class >= 0 &&
       (steps == Steps::Wide ||
        (steps == Steps::Timed && (wide_mask_.load(std::memory_order_relaxed) >> width_class & 1)));
+  wide_steps_ = wide;
   const auto started = WaitClock::now();
   const int64_t per_block =
       int64_t((wide ? layout_.wide_bytes : layout_.block_bytes) / wire_size);

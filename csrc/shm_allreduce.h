@@ -172,6 +172,9 @@ class ShmAllreduce {
   bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
   // How many CPUs the local ranks may run on together, as each last published its binding.
   int ranks_cpu_count() const;
+  // Whether no rank still awaited has published since since_ns (steady clock): all seem to be
+  // off their CPUs, descheduled, rather than working.
+  bool awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const;
   // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
   bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
   // The first two stages of wait_all, from the wait's start; true when the peers are there.
@@ -231,6 +234,7 @@ class ShmAllreduce {
   std::atomic<Steps> steps_{Steps::Timed};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint32_t> wide_mask_{0};
+  bool wide_steps_ = false;    // whether this call goes in wide steps
   uint32_t agreed_mask_ = 0;   // local rank 0's, read at this call's first step
   // Local rank 0's measurements, per class and width (narrow, wide): a moving average of the
   // time per byte, and how many calls of the class it timed.
