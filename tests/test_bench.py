@@ -125,9 +125,9 @@ def check_times(row: dict) -> None:
 
 def test_allreduce(tmp_path):
     engines = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot4M",
-               "ddpx-oneshot32K"]
-    sizes = [4096, 256 * 1024]
-    options = "--sizes 4K,256K --iters 3 --min_time 0.05 --warmup 1".split()
+               "ddpx-oneshot32K", "ddpx-narrow", "ddpx-wide"]
+    sizes = [4096, 1024 * 1024]  # 1 MiB: four narrow steps or one wide one
+    options = "--sizes 4K,1M --iters 3 --min_time 0.05 --warmup 1".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))
 
     measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))

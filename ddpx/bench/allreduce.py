@@ -34,7 +34,16 @@ from ddpx.bench.common import (
 from ddpx.engine import cross_chunk_bytes, engine_for
 
 # ddpx with its one-shot size fixed, not chosen at creation: the two schedules it chooses from.
-SCHEDULES = {"ddpx-oneshot4M": 4096 * 1024, "ddpx-oneshot32K": 32 * 1024}
+# ddpx with one of its choices fixed: (the engine's attribute, its value, why a run across nodes
+# leaves it out).
+_NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
+_NARROW_ACROSS = "across nodes every step is narrow"
+SCHEDULES = {
+    "ddpx-oneshot4M": ("one_shot_bytes", 4096 * 1024, _NO_ONE_SHOT),
+    "ddpx-oneshot32K": ("one_shot_bytes", 32 * 1024, _NO_ONE_SHOT),
+    "ddpx-narrow": ("steps", "narrow", _NARROW_ACROSS),
+    "ddpx-wide": ("steps", "wide", _NARROW_ACROSS),
+}
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 # Set by ddpx-bench for the ranks it starts, once it has built DeepSpeed's op: "" when it built,
@@ -85,11 +94,12 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
             else:
                 add_if_it_works(engines, name, engine, left_out)
         elif name in SCHEDULES:
+            attribute, value, across = SCHEDULES[name]
             if nodes > 1:
-                left_out[name] = "across nodes every message is split: there is no one-shot"
+                left_out[name] = across
                 continue
             group = dist.new_group(list(range(dist.get_world_size())))
-            engine_for(group).one_shot_bytes = SCHEDULES[name]
+            setattr(engine_for(group), attribute, value)
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
         else:

@@ -21,6 +21,8 @@ WIRE = {
     "ddpx-bf16": "bf16",
     "ddpx-oneshot4M": None,
     "ddpx-oneshot32K": None,
+    "ddpx-narrow": None,
+    "ddpx-wide": None,
     "default": None,
     "none": None,
     "fp16": "fp16",
