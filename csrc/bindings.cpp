@@ -139,24 +139,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("make_shm_engine",
         [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, size_t wide_bytes,
-           int local_rank,
-           std::vector<int> ranks, size_t one_shot_bytes, double timeout_s, bool initialize,
+           int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
+           bool initialize,
            std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes,
            size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
            std::string abort_key) {
           auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
           auto shm = std::make_unique<ShmAllreduce>(std::move(segment),
                                                     ShmLayout{nranks, block_bytes, wide_bytes},
-                                                    local_rank,
-                                                    std::move(ranks), one_shot_bytes, timeout,
-                                                    initialize);
+                                                    local_rank, std::move(ranks), one_shot_bytes,
+                                                    timeout, initialize);
           return std::shared_ptr<Engine>(std::make_shared<ShmEngine>(
               std::move(shm), std::move(across_nodes), timeout, cross_chunk_bytes,
               store.value_or(c10::intrusive_ptr<c10d::Store>()), std::move(abort_key)));
         },
         py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
-        py::arg("local_rank"),
-        py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"), py::arg("initialize"),
+        py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"), py::arg("initialize"),
         py::arg("across_nodes") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
         py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
         py::arg("abort_key") = std::string());

@@ -23,7 +23,7 @@ namespace {
 constexpr uint64_t kMagic = 0x3578706464ULL;  // "ddpx5": wide slots, rank 0 picks the steps
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
-// measured on 2 vCPUs (README, "Under load"): polling with sched_yield alone costs a time slice
+// measured on 2 vCPUs (docs/under-load.md): polling with sched_yield alone costs a time slice
 // per synchronisation once a process outside the job shares the core (25 MB: 330 ms instead of
 // 5 ms), and spinning without looking at where the awaited rank runs costs 2x under that load.
 constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while peers may run
@@ -244,10 +244,12 @@ char* ShmAllreduce::output_slot(uint64_t step) const {
   return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.wide_bytes;
 }
 
+bool ShmAllreduce::widens() const {
+  return !cross_node_ && layout_.wide_bytes > layout_.block_bytes;
+}
+
 int ShmAllreduce::step_class(size_t bytes) const {
-  if (cross_node_ || layout_.wide_bytes == layout_.block_bytes || bytes <= layout_.block_bytes) {
-    return -1;
-  }
+  if (!widens() || bytes <= layout_.block_bytes) return -1;
   const uint64_t blocks = (bytes - 1) / layout_.block_bytes;
   return std::min(kStepClasses - 1, 63 - __builtin_clzll(blocks));
 }
@@ -255,24 +257,6 @@ int ShmAllreduce::step_class(size_t bytes) const {
 // Local rank 0 decides for all, from its own times: the ranks end a call together, so its time is
 // the call's. A class's first calls try both widths; then the faster goes on, and the slower
 // is tried again every kRetryEvery calls.
-uint32_t ShmAllreduce::choose_steps() const {
-  uint32_t mask = 0;
-  for (int k = 0; k < kStepClasses; ++k) {
-    const StepTimes& t = step_times_[k];
-    bool wide;
-    if (t.timed[0] < kFirstTries || t.timed[1] < kFirstTries) {
-      wide = t.timed[1] < t.timed[0];
-    } else {
-      const bool faster = t.ns_per_byte[1] < t.ns_per_byte[0];
-      const double ratio = t.ns_per_byte[!faster] / t.ns_per_byte[faster];
-      const uint32_t every = ratio > kFarSlower ? kRetryFarSlowerEvery : kRetryEvery;
-      wide = (t.timed[0] + t.timed[1]) % every == 0 ? !faster : faster;
-    }
-    if (wide) mask |= uint32_t(1) << k;
-  }
-  return mask;
-}
-
 void ShmAllreduce::time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took) {
   StepTimes& t = step_times_[step_class];
   const double ns_per_byte = double(std::chrono::nanoseconds(took).count()) / double(bytes);
@@ -282,11 +266,23 @@ void ShmAllreduce::time_steps(int step_class, bool wide, size_t bytes, WaitClock
                      t.ns_per_byte[wide] > t.ns_per_byte[!wide];
   double& average = t.ns_per_byte[wide];
   average = t.timed[wide]++ == 0 || retry ? ns_per_byte : average + (ns_per_byte - average) / 4;
+
+  bool next_wide;
+  if (t.timed[0] < kFirstTries || t.timed[1] < kFirstTries) {
+    next_wide = t.timed[1] < t.timed[0];
+  } else {
+    const bool faster = t.ns_per_byte[1] < t.ns_per_byte[0];
+    const double ratio = t.ns_per_byte[!faster] / t.ns_per_byte[faster];
+    const uint32_t every = ratio > kFarSlower ? kRetryFarSlowerEvery : kRetryEvery;
+    next_wide = (t.timed[0] + t.timed[1]) % every == 0 ? !faster : faster;
+  }
+  const uint32_t bit = uint32_t(1) << step_class;
+  chosen_mask_ = next_wide ? chosen_mask_ | bit : chosen_mask_ & ~bit;
 }
 
 std::string ShmAllreduce::wide_sizes() const {
   const Steps steps = this->steps();
-  if (step_class(layout_.block_bytes + 1) < 0 || steps == Steps::Narrow) return "";
+  if (!widens() || steps == Steps::Narrow) return "";
   if (steps == Steps::Wide) return "over " + std::to_string(layout_.block_bytes >> 10) + " KiB";
   std::string out;
   const uint32_t mask = wide_mask_.load(std::memory_order_relaxed);
@@ -630,8 +626,7 @@ void ShmAllreduce::begin_call() {
 
 ShmAllreduce::CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
                                                int32_t wire, double scale, int root) {
-  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root,
-                  me_ == 0 ? choose_steps() : 0};
+  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_mask_};
 }
 
 void ShmAllreduce::agree_on_steps(uint64_t first_step) {

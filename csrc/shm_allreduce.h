@@ -4,8 +4,9 @@
 // blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
 // the last one. An all-reduce goes in narrow blocks, which stay in the cache, or in wide ones,
 // which need fewer synchronisations: on a busy machine each can cost a peer's time slice. Local
-// rank 0 times both per size class as the job runs and picks for all (see choose_steps). Each rank publishes a monotonic step counter when its block is in; readers wait
-// for every peer's counter, never for a global barrier. The blocks of small messages are summed
+// rank 0 times both per size class as the job runs and picks for all (see time_steps). Each
+// rank publishes a monotonic step counter when its block is in; readers wait for every peer's
+// counter, never for a global barrier. The blocks of small messages are summed
 // by every rank (one-shot: one synchronisation per step); those of large ones are split, each
 // rank sums its slice into a shared float32 output slot, and all copy the whole result out
 // (two-phase). Both sum the ranks in rank order in float32, so every rank gets the same bits,
@@ -203,13 +204,14 @@ class ShmAllreduce {
   // Step widths: an all-reduce of more than one narrow block falls in size class
   // floor(log2((bytes - 1) / block_bytes)), capped; bit k of a mask says class k goes wide.
   static constexpr int kStepClasses = 32;
+  bool widens() const;  // whether any all-reduce here may go in wide steps
   int step_class(size_t bytes) const;
-  uint32_t choose_steps() const;  // local rank 0's mask for the calls after this one
   // A call's description, with local rank 0's choice of steps for the calls after it.
   CallMeta call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
                      int root);
   // Every rank reads local rank 0's choice after a call's first step, whatever the call.
   void agree_on_steps(uint64_t first_step);
+  // Local rank 0 only: counts a call's time and chooses its class's width for the calls after.
   void time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took);
   std::string rank_name(int local) const;
   [[noreturn]] void fail(const std::string& message);
@@ -236,6 +238,7 @@ class ShmAllreduce {
   std::atomic<uint32_t> wide_mask_{0};
   bool wide_steps_ = false;    // whether this call goes in wide steps
   uint32_t agreed_mask_ = 0;   // local rank 0's, read at this call's first step
+  uint32_t chosen_mask_ = 0;   // local rank 0's own choice, published with each call
   // Local rank 0's measurements, per class and width (narrow, wide): a moving average of the
   // time per byte, and how many calls of the class it timed.
   struct StepTimes {

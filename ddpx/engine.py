@@ -152,7 +152,8 @@ def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
     _remove_stale_segments()
     free = _shm_free_bytes()
     wide_bytes = max(wide_bytes, block_bytes) // block_bytes * block_bytes
-    while wide_bytes > block_bytes and C.shm_segment_bytes(size, block_bytes, wide_bytes) > free // 2:
+    while (wide_bytes > block_bytes
+           and C.shm_segment_bytes(size, block_bytes, wide_bytes) > free // 2):
         wide_bytes = max(block_bytes, wide_bytes // 2 // block_bytes * block_bytes)
     nbytes = C.shm_segment_bytes(size, block_bytes, wide_bytes)
     if free < nbytes + (1 << 20):

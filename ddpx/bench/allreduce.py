@@ -33,8 +33,7 @@ from ddpx.bench.common import (
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
-# ddpx with its one-shot size fixed, not chosen at creation: the two schedules it chooses from.
-# ddpx with one of its choices fixed: (the engine's attribute, its value, why a run across nodes
+# ddpx with one of the choices it times fixed: (the engine's attribute, its value, why a run across nodes
 # leaves it out).
 _NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
 _NARROW_ACROSS = "across nodes every step is narrow"

@@ -72,7 +72,8 @@ the others against (it is timed, not checked). Four more, not run unless named: 
 and `ddpx-oneshot32K`, ddpx with the size up to which every rank sums whole blocks fixed at 4 MiB
 or 32 KiB: the two schedules a ddpx engine times at creation to keep the faster (ddpx.engine), side
 by side; `ddpx-narrow` and `ddpx-wide`, ddpx with every all-reduce in 256 KiB or in 4 MiB steps,
-the two widths the engine times as it runs (docs/under-load.md). Engines that do not work here are left out with a note (the peers when not installed;
+the two widths the engine times as it runs (docs/under-load.md). Engines that do not work here
+are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
 simulated nodes as one machine; the fixed schedules with --nodes, which always split).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
