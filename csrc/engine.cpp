@@ -556,7 +556,10 @@ std::string ShmEngine::describe() const {
         << (wide.empty() ? "none" : wide) << ")";
   }
   out << ", " << kernels().isa << " kernels";
-  if (!across_nodes_) out << ", one-shot up to " << (shm.one_shot_bytes() >> 10) << " KiB";
+  if (!across_nodes_) {
+    const std::string one_shot = shm.one_shot_sizes();
+    out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
+  }
   out << "; " << shm.wait_policy();
   if (across_nodes_) {
     out << ", hierarchical across " << across_nodes_->nodes() << " nodes through the process group";

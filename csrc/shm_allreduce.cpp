@@ -20,7 +20,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3578706464ULL;  // "ddpx5": wide slots, rank 0 picks the steps
+constexpr uint64_t kMagic = 0x3678706464ULL;  // "ddpx6": rank 0 picks one-shot too
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). The numbers were
 // measured on 2 vCPUs (docs/under-load.md): polling with sched_yield alone costs a time slice
@@ -42,13 +42,13 @@ constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 constexpr size_t kStreamBytes = size_t(8) << 20;
-// Local rank 0 tries the width it times slower once every this many calls of a class, so that a
-// change in the machine's load shows, less often when it was far slower; the first calls of a
-// class alternate.
-constexpr uint32_t kRetryEvery = 16;
-constexpr uint32_t kRetryFarSlowerEvery = 64;
+// Local rank 0 tries a schedule it times slower after every this many calls of a class in the
+// fastest, so that a change in the machine's load shows, less often when it was far slower; a
+// trial is this many calls, the first of them not counted.
+constexpr uint32_t kRetryEvery = 32;
+constexpr uint32_t kRetryFarSlowerEvery = 128;
 constexpr double kFarSlower = 1.5;
-constexpr uint32_t kFirstTries = 2;
+constexpr uint32_t kTrialCalls = 3;
 // Chunks started across nodes and not yet all-gathered, per rank (README, "Across a network").
 constexpr int64_t kCrossChunksInFlight = 6;
 
@@ -114,7 +114,7 @@ struct ShmAllreduce::CallMeta {
   double scale;
   int32_t op;     // a Collective
   int32_t root;   // broadcast's source rank, else 0
-  uint32_t wide_mask;  // local rank 0's only: the step classes the calls after this go wide in
+  uint64_t schedules;  // local rank 0's only: the schedule mask of the calls after this one
 };
 
 struct alignas(64) ShmAllreduce::RankControl {
@@ -244,55 +244,126 @@ char* ShmAllreduce::output_slot(uint64_t step) const {
   return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.wide_bytes;
 }
 
-bool ShmAllreduce::widens() const {
-  return !cross_node_ && layout_.wide_bytes > layout_.block_bytes;
+int ShmAllreduce::size_class(size_t bytes) {
+  return bytes < 2 ? 0 : std::min(kClasses - 1, 63 - __builtin_clzll(bytes - 1));
 }
 
-int ShmAllreduce::step_class(size_t bytes) const {
-  if (!widens() || bytes <= layout_.block_bytes) return -1;
-  const uint64_t blocks = (bytes - 1) / layout_.block_bytes;
-  return std::min(kStepClasses - 1, 63 - __builtin_clzll(blocks));
-}
-
-// Local rank 0 decides for all, from its own times: the ranks end a call together, so its time is
-// the call's. A class's first calls try both widths; then the faster goes on, and the slower
-// is tried again every kRetryEvery calls.
-void ShmAllreduce::time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took) {
-  StepTimes& t = step_times_[step_class];
-  const double ns_per_byte = double(std::chrono::nanoseconds(took).count()) / double(bytes);
-  // A retry of the slower width stands for it alone: if it beats the faster's average, the two
-  // swap, and a fluke is undone within a few calls as the new one's average catches up.
-  const bool retry = t.timed[0] >= kFirstTries && t.timed[1] >= kFirstTries &&
-                     t.ns_per_byte[wide] > t.ns_per_byte[!wide];
-  double& average = t.ns_per_byte[wide];
-  average = t.timed[wide]++ == 0 || retry ? ns_per_byte : average + (ns_per_byte - average) / 4;
-
-  bool next_wide;
-  if (t.timed[0] < kFirstTries || t.timed[1] < kFirstTries) {
-    next_wide = t.timed[1] < t.timed[0];
-  } else {
-    const bool faster = t.ns_per_byte[1] < t.ns_per_byte[0];
-    const double ratio = t.ns_per_byte[!faster] / t.ns_per_byte[faster];
-    const uint32_t every = ratio > kFarSlower ? kRetryFarSlowerEvery : kRetryEvery;
-    next_wide = (t.timed[0] + t.timed[1]) % every == 0 ? !faster : faster;
+bool ShmAllreduce::may_run(int k, Schedule s) const {
+  const size_t lo = size_t(1) << k, hi = 2 * lo;  // class k is (lo, hi]
+  switch (s) {
+    case kNarrow:
+      return true;
+    case kWide:
+      return !cross_node_ && layout_.wide_bytes > layout_.block_bytes && lo >= layout_.block_bytes;
+    case kOneShot:
+      return !cross_node_ && lo >= kOneShotAlways && hi <= one_shot_bytes();
+    default:
+      return false;
   }
-  const uint32_t bit = uint32_t(1) << step_class;
-  chosen_mask_ = next_wide ? chosen_mask_ | bit : chosen_mask_ & ~bit;
+}
+
+int ShmAllreduce::timed_class(size_t bytes) const {
+  const int k = size_class(bytes);
+  return bytes > kOneShotAlways && (may_run(k, kWide) || may_run(k, kOneShot)) ? k : -1;
+}
+
+ShmAllreduce::Schedule ShmAllreduce::scheduled(uint64_t mask, int k) {
+  return mask >> (32 + k) & 1 ? kOneShot : mask >> k & 1 ? kWide : kNarrow;
+}
+
+// Local rank 0 decides for all, from its own times: after the first step the ranks work in step,
+// so its time is the call's. A schedule is tried in a run of consecutive calls of the class whose
+// first is not counted, as it finds the schedule's slots cold after another ran; the rest start
+// its average afresh, so a trial stands for the schedule as the machine is now. A class's first
+// runs try each schedule that may serve it in turn; then the fastest goes on, and every
+// kRetryEvery of its calls (kRetryFarSlowerEvery when the one due was far slower) the others
+// take turns at a trial.
+void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, WaitClock::duration took) {
+  ScheduleTimes& t = times_[k];
+  Schedule candidates[kSchedules];
+  int n = 0;
+  for (int s = 0; s < kSchedules; ++s) {
+    if (may_run(k, Schedule(s))) candidates[n++] = Schedule(s);
+  }
+  auto fastest = [&] {
+    Schedule best = candidates[0];
+    for (int i = 1; i < n; ++i) {
+      if (t.ns_per_byte[candidates[i]] < t.ns_per_byte[best]) best = candidates[i];
+    }
+    return best;
+  };
+  const bool explored = std::all_of(candidates, candidates + n, [&](Schedule s) {
+    return t.timed[s] > 0;
+  });
+  if (ran != t.last && explored && ran != fastest()) ++t.trials;
+  t.run = ran == t.last ? t.run + 1 : 1;
+  t.last = ran;
+  if (t.run > 1) {
+    const double ns_per_byte = double(std::chrono::nanoseconds(took).count()) / double(bytes);
+    double& average = t.ns_per_byte[ran];
+    average = t.run == 2 ? ns_per_byte : average + (ns_per_byte - average) / 4;
+    ++t.timed[ran];
+  }
+
+  Schedule next = ran;
+  if (t.run >= kTrialCalls) {
+    const Schedule* untried =
+        std::find_if(candidates, candidates + n, [&](Schedule s) { return t.timed[s] == 0; });
+    if (untried != candidates + n) {
+      next = *untried;
+    } else {
+      const Schedule best = fastest();
+      next = best;
+      if (ran == best && n > 1) {
+        Schedule others[kSchedules];
+        int m = 0;
+        for (int i = 0; i < n; ++i) {
+          if (candidates[i] != best) others[m++] = candidates[i];
+        }
+        const Schedule due = others[t.trials % uint32_t(m)];
+        const bool far = t.ns_per_byte[due] > kFarSlower * t.ns_per_byte[best];
+        if (t.run >= (far ? kRetryFarSlowerEvery : kRetryEvery)) next = due;
+      }
+    }
+  }
+  const uint64_t wide = uint64_t(1) << k, one_shot = uint64_t(1) << (32 + k);
+  chosen_ &= ~(wide | one_shot);
+  if (next == kWide) chosen_ |= wide;
+  if (next == kOneShot) chosen_ |= one_shot;
+}
+
+// The ranges of classes whose schedule is s in the agreed mask, merged, as "a-b KiB".
+static std::string class_ranges(uint64_t mask, int shift) {
+  std::string out;
+  for (int k = 0; k < 32;) {
+    if (!(mask >> (shift + k) & 1)) {
+      ++k;
+      continue;
+    }
+    int last = k;
+    while (last + 1 < 32 && (mask >> (shift + last + 1) & 1)) ++last;
+    out += (out.empty() ? "" : ", ") + std::to_string((size_t(1) << k) >> 10) + "-" +
+           (last == 31 ? std::string("") : std::to_string((size_t(2) << last) >> 10)) + " KiB";
+    k = last + 1;
+  }
+  return out;
 }
 
 std::string ShmAllreduce::wide_sizes() const {
   const Steps steps = this->steps();
-  if (!widens() || steps == Steps::Narrow) return "";
+  if (!may_run(kClasses - 1, kWide) || steps == Steps::Narrow) return "";
   if (steps == Steps::Wide) return "over " + std::to_string(layout_.block_bytes >> 10) + " KiB";
-  std::string out;
-  const uint32_t mask = wide_mask_.load(std::memory_order_relaxed);
-  for (int k = 0; k < kStepClasses; ++k) {
-    if (!(mask >> k & 1)) continue;
-    const size_t lo = layout_.block_bytes << k;
-    out += (out.empty() ? "" : ", ") + std::to_string(lo >> 10) + "-" +
-           (k == kStepClasses - 1 ? std::string("") : std::to_string((2 * lo) >> 10)) + " KiB";
-  }
-  return out;
+  return class_ranges(schedules_.load(std::memory_order_relaxed), 0);
+}
+
+std::string ShmAllreduce::one_shot_sizes() const {
+  if (cross_node_) return "";
+  const size_t fixed =
+      steps() == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
+  std::string out = fixed ? "up to " + std::to_string(fixed >> 10) + " KiB" : "";
+  if (steps() != Steps::Timed) return out;
+  const std::string timed = class_ranges(schedules_.load(std::memory_order_relaxed), 32);
+  return out.empty() || timed.empty() ? out + timed : out + ", " + timed;
 }
 
 std::string ShmAllreduce::rank_name(int local) const {
@@ -620,17 +691,17 @@ void ShmAllreduce::begin_call() {
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
   oversubscribed_ = layout_.nranks > ranks_cpu_count();
-  wide_mask_.store(agreed_mask_, std::memory_order_relaxed);
+  schedules_.store(agreed_, std::memory_order_relaxed);
   wide_steps_ = false;
 }
 
 ShmAllreduce::CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
                                                int32_t wire, double scale, int root) {
-  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_mask_};
+  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_};
 }
 
-void ShmAllreduce::agree_on_steps(uint64_t first_step) {
-  agreed_mask_ = control_[0].meta[first_step & 1].wide_mask;
+void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
+  agreed_ = control_[0].meta[first_step & 1].schedules;
 }
 
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
@@ -641,7 +712,7 @@ void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
   std::snprintf(control_[me_].message, sizeof control_[me_].message, "%s", reason.c_str());
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
-  agree_on_steps(step);
+  agree_on_schedules(step);
   if (cross_node_) {
     start_node_check(rejected, false, what);
     try {
@@ -665,18 +736,26 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
   const size_t acc_size = dtype_size(acc);
   const size_t bytes = size_t(numel) * wire_size;
-  const int width_class = step_class(bytes);
   const Steps steps = this->steps();
-  const bool wide =
-      width_class >= 0 &&
-      (steps == Steps::Wide ||
-       (steps == Steps::Timed && (wide_mask_.load(std::memory_order_relaxed) >> width_class & 1)));
+  const int timed = steps == Steps::Timed ? timed_class(bytes) : -1;
+  const Schedule schedule =
+      timed >= 0 ? scheduled(agreed_, timed)
+      : !cross_node_ && bytes <= (steps == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes())
+                                                        : one_shot_bytes())
+          ? kOneShot
+      : steps == Steps::Wide && may_run(size_class(bytes), kWide) ? kWide
+                                                                  : kNarrow;
+  const bool wide = schedule == kWide;
   wide_steps_ = wide;
+  // A call's time, as local rank 0 times the schedules, leaves out its wait for the ranks to
+  // arrive at the first step: that is the skew the calls before left, which one-shot calls,
+  // ending without a synchronisation, pass on to whichever call comes next.
   const auto started = WaitClock::now();
+  WaitClock::duration skew{};
   const int64_t per_block =
       int64_t((wide ? layout_.wide_bytes : layout_.block_bytes) / wire_size);
   const int64_t blocks = numel == 0 ? 1 : (numel + per_block - 1) / per_block;
-  const bool one_shot = !cross_node_ && bytes <= one_shot_bytes();
+  const bool one_shot = schedule == kOneShot;
   const int n = layout_.nranks;
   // Results larger than the last-level cache go out with streaming stores.
   const Store out_store =
@@ -721,8 +800,10 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
     }
     publish(Phase::Arrive, step);
+    const auto waits_from = WaitClock::now();
     wait_all(Phase::Arrive, step, what);
-    if (b == 0) agree_on_steps(step);
+    if (b == 0) skew = WaitClock::now() - waits_from;
+    if (b == 0) agree_on_schedules(step);
     if (b == 0 && !cross_node_) {
       check_peers_agree(mine, what);
     } else if (b == 0) {
@@ -762,8 +843,8 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       sum_my_slice(step, b, lo, hi, output_slot(step) + size_t(lo) * acc_size);
       gather(step, b);
     }
-    if (me_ == 0 && width_class >= 0 && steps == Steps::Timed) {
-      time_steps(width_class, wide, bytes, WaitClock::now() - started);
+    if (me_ == 0 && timed >= 0) {
+      time_schedule(timed, schedule, bytes, WaitClock::now() - started - skew);
     }
     return;
   }
@@ -852,7 +933,7 @@ uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
   publish(Phase::Arrive, step);
   wait_all(Phase::Arrive, step, what);
   if (first) {
-    agree_on_steps(step);
+    agree_on_schedules(step);
     check_peers_agree(mine, what);
   }
   return step;

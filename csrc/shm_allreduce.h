@@ -2,15 +2,16 @@
 //
 // Every rank owns two input slots in one POSIX shared-memory segment; a message goes through in
 // blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
-// the last one. An all-reduce goes in narrow blocks, which stay in the cache, or in wide ones,
-// which need fewer synchronisations: on a busy machine each can cost a peer's time slice. Local
-// rank 0 times both per size class as the job runs and picks for all (see time_steps). Each
-// rank publishes a monotonic step counter when its block is in; readers wait for every peer's
-// counter, never for a global barrier. The blocks of small messages are summed
-// by every rank (one-shot: one synchronisation per step); those of large ones are split, each
-// rank sums its slice into a shared float32 output slot, and all copy the whole result out
-// (two-phase). Both sum the ranks in rank order in float32, so every rank gets the same bits,
-// whichever schedule ran.
+// the last one. Each rank publishes a monotonic step counter when its block is in; readers wait
+// for every peer's counter, never for a global barrier. An all-reduce goes through one of three
+// schedules. One-shot: every rank sums every block (one synchronisation per step). Two-phase:
+// each rank sums its slice of a block into a shared float32 output slot, and all copy the whole
+// result out, in narrow blocks, which stay in the cache, or in wide ones, which need fewer
+// synchronisations (on a busy machine each can cost a peer's time slice). All sum the ranks in
+// rank order in float32, so every rank gets the same bits, whichever schedule ran. Which is
+// fastest for a size depends on the cores' caches and on the machine's load, both of which can
+// change from one launch (or minute) to the next, so local rank 0 times them per size class as
+// the job runs and picks for all (see time_schedule).
 //
 // Reusing a slot needs no extra synchronisation: a rank writes step s's slots only after every
 // peer has arrived at step s-1, which each does only after it finished reading step s-2, the
@@ -115,9 +116,10 @@ class ShmAllreduce {
                       double scale, const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
 
-  // Messages of up to one_shot_bytes (in the wire dtype) are summed whole by every rank after one
-  // exchange; larger ones are reduce-scattered and all-gathered. Every rank of the node must set
-  // the same value, between calls.
+  // The largest message (in the wire dtype) that may go one-shot: with fixed steps, every one up
+  // to it does; with timed steps, those up to kOneShotAlways do, and the size classes above it
+  // that lie wholly under it are timed one-shot too. Every rank of the node must set the same
+  // value, between calls.
   size_t one_shot_bytes() const { return one_shot_bytes_.load(std::memory_order_relaxed); }
   void set_one_shot_bytes(size_t bytes) { one_shot_bytes_.store(bytes, std::memory_order_relaxed); }
 
@@ -128,12 +130,17 @@ class ShmAllreduce {
   // before any data crosses.
   void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes);
 
-  // How the all-reduce picks its steps' width; every rank must set the same, between calls.
+  // How the all-reduce picks its schedule: timed (by local rank 0, see time_schedule), or in
+  // narrow or wide steps, one-shot up to one_shot_bytes. Every rank must set the same, between
+  // calls.
   enum class Steps { Timed, Narrow, Wide };
+  // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
+  static constexpr size_t kOneShotAlways = size_t(32) << 10;
   void set_steps(Steps steps) { steps_.store(steps, std::memory_order_relaxed); }
   Steps steps() const { return steps_.load(std::memory_order_relaxed); }
-  // Which sizes the next all-reduce calls go in wide steps for, as "a-b KiB" ranges.
+  // Which sizes the next all-reduce calls go in wide steps and one-shot for, as "a-b KiB" ranges.
   std::string wide_sizes() const;
+  std::string one_shot_sizes() const;
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
@@ -201,18 +208,23 @@ class ShmAllreduce {
   [[noreturn]] void fail_node_check(const std::string& what, const std::exception& e);
   void finish_node_check(const CallMeta& mine, const std::string& local_error,
                          const std::string& what);
-  // Step widths: an all-reduce of more than one narrow block falls in size class
-  // floor(log2((bytes - 1) / block_bytes)), capped; bit k of a mask says class k goes wide.
-  static constexpr int kStepClasses = 32;
-  bool widens() const;  // whether any all-reduce here may go in wide steps
-  int step_class(size_t bytes) const;
-  // A call's description, with local rank 0's choice of steps for the calls after it.
+  // The schedules local rank 0 times. Size class k holds the all-reduces of (2^k, 2^(k+1)]
+  // bytes in the wire dtype; a schedule mask has bit k of its low word set when class k goes
+  // wide, of its high word when it goes one-shot, neither for narrow two-phase steps.
+  enum Schedule { kNarrow, kWide, kOneShot, kSchedules };
+  static constexpr int kClasses = 32;
+  static int size_class(size_t bytes);
+  // Whether schedule s may serve every size of class k here; a class is timed when two can.
+  bool may_run(int k, Schedule s) const;
+  int timed_class(size_t bytes) const;  // -1 when the size is not timed
+  static Schedule scheduled(uint64_t mask, int k);
+  // A call's description, with local rank 0's choice of schedules for the calls after it.
   CallMeta call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
                      int root);
   // Every rank reads local rank 0's choice after a call's first step, whatever the call.
-  void agree_on_steps(uint64_t first_step);
-  // Local rank 0 only: counts a call's time and chooses its class's width for the calls after.
-  void time_steps(int step_class, bool wide, size_t bytes, WaitClock::duration took);
+  void agree_on_schedules(uint64_t first_step);
+  // Local rank 0 only: counts a call's time and chooses its class's schedule for the calls after.
+  void time_schedule(int k, Schedule ran, size_t bytes, WaitClock::duration took);
   std::string rank_name(int local) const;
   [[noreturn]] void fail(const std::string& message);
   void check_not_aborted() const;
@@ -235,17 +247,21 @@ class ShmAllreduce {
   std::shared_ptr<std::vector<char>> node_sums_;
   std::atomic<Steps> steps_{Steps::Timed};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
-  std::atomic<uint32_t> wide_mask_{0};
-  bool wide_steps_ = false;    // whether this call goes in wide steps
-  uint32_t agreed_mask_ = 0;   // local rank 0's, read at this call's first step
-  uint32_t chosen_mask_ = 0;   // local rank 0's own choice, published with each call
-  // Local rank 0's measurements, per class and width (narrow, wide): a moving average of the
-  // time per byte, and how many calls of the class it timed.
-  struct StepTimes {
-    double ns_per_byte[2] = {0.0, 0.0};
-    uint32_t timed[2] = {0, 0};
+  std::atomic<uint64_t> schedules_{0};
+  bool wide_steps_ = false;  // whether this call goes in wide steps
+  uint64_t agreed_ = 0;      // local rank 0's mask, read at this call's first step
+  uint64_t chosen_ = 0;      // local rank 0's own choice, published with each call
+  // Local rank 0's measurements per class: for each schedule, a moving average of the time per
+  // byte since its last trial began, and how many calls it counted; which ran last, how many
+  // calls in a row, and how many trials of a slower one there were.
+  struct ScheduleTimes {
+    double ns_per_byte[kSchedules] = {};
+    uint32_t timed[kSchedules] = {};
+    Schedule last = kNarrow;
+    uint32_t run = 0;
+    uint32_t trials = 0;
   };
-  StepTimes step_times_[kStepClasses];
+  ScheduleTimes times_[kClasses];
   bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
   WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import socket
-import time
 import weakref
 from datetime import timedelta
 
@@ -38,14 +37,12 @@ _SEGMENT_PREFIX = "ddpx-"
 # 16 times fewer, were up to 2x faster there (docs/under-load.md); the engine times both.
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
 _WIDE_KB = int(os.environ.get("DDPX_WIDE_KB", "4096"))
-# Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
-# each with a second exchange (two-phase). Which schedule is faster from tens of KiB to a few MiB
-# depends on how the node's cores share their caches, which can change from one launch to the
-# next on a VM (README, "How it works"): each engine times both once at creation and keeps the
-# faster, unless DDPX_ONE_SHOT_KB fixes it.
-_ONE_SHOT_CHOICES_KB = (4096, 32)
-_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", str(_ONE_SHOT_CHOICES_KB[0])))
-_CALIBRATE = "DDPX_ONE_SHOT_KB" not in os.environ
+# The largest message that may go one-shot (every rank sums whole blocks after one exchange)
+# instead of two-phase (a slice each, then a second exchange). Which is faster from tens of KiB to
+# a few MiB depends on how the node's cores share their caches and on the machine's load, which
+# can change from one launch to the next on a VM: the engine times them as the job runs
+# (docs/under-load.md).
+_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "4096"))
 # Across nodes (README, "Across a network"): slices cross in chunks of this much of the message,
 # taking turns on this many lanes (two process groups each), so the link never waits for the node.
 _CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))
@@ -215,24 +212,6 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
     return failed[0] if failed else engine
 
 
-def _choose_schedule(engine) -> None:
-    """Sets the engine's one-shot size to whichever of _ONE_SHOT_CHOICES_KB reduces a 1 MiB
-    message faster here, timed in turns. The times are summed over the ranks by the engine
-    itself, so every rank has the same bits and makes the same choice. About 10-40 ms."""
-    message = torch.zeros(1 << 18)
-    times = torch.zeros(len(_ONE_SHOT_CHOICES_KB), dtype=torch.float64)
-    for turn in range(4):
-        for choice, kb in enumerate(_ONE_SHOT_CHOICES_KB):
-            engine.one_shot_bytes = kb * 1024
-            start = time.perf_counter()
-            for _ in range(5):
-                engine.run(message, 1.0, None, "ddpx's schedule calibration")
-            if turn:  # the first turn warms up
-                times[choice] += time.perf_counter() - start
-    engine.run(times, 1.0, None, "ddpx's schedule calibration")
-    engine.one_shot_bytes = _ONE_SHOT_CHOICES_KB[int(times.argmin())] * 1024
-
-
 def _node_identity() -> str:
     """The machine, and the launcher's node rank (GROUP_RANK, which torchrun and accelerate
     launch set), so that launcher nodes sharing a machine stay apart."""
@@ -300,8 +279,6 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
         if os.environ.get("DDPX_STRICT") == "1":
             raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
         return reason
-    if _CALIBRATE and not across:
-        _choose_schedule(result)
     return result
 
 

@@ -707,7 +707,7 @@ def battery(rank, world):
 
 
 # 3 and 4 ranks with test_engine's small blocks: multi-block and two-phase schedules on these
-# sizes (and no schedule timing at creation); 2 ranks as created.
+# sizes; 2 ranks as created.
 @pytest.mark.parametrize("world,env", [
     (2, {}), pytest.param(3, SMALL_BLOCKS, marks=pytest.mark.slow), (4, SMALL_BLOCKS)])
 def test_every_collective_matches_gloo_and_the_references(world, env):

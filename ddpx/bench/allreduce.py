@@ -33,15 +33,14 @@ from ddpx.bench.common import (
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
-# ddpx with one of the choices it times fixed: (the engine's attribute, its value, why a run across nodes
-# leaves it out).
+# ddpx with the schedule it times fixed: (the engine's settings, why a run across nodes leaves it
+# out). One-shot is every size up to the engine's one-shot size, 4 MiB unless DDPX_ONE_SHOT_KB.
 _NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
 _NARROW_ACROSS = "across nodes every step is narrow"
 SCHEDULES = {
-    "ddpx-oneshot4M": ("one_shot_bytes", 4096 * 1024, _NO_ONE_SHOT),
-    "ddpx-oneshot32K": ("one_shot_bytes", 32 * 1024, _NO_ONE_SHOT),
-    "ddpx-narrow": ("steps", "narrow", _NARROW_ACROSS),
-    "ddpx-wide": ("steps", "wide", _NARROW_ACROSS),
+    "ddpx-oneshot": ({"steps": "narrow"}, _NO_ONE_SHOT),
+    "ddpx-narrow": ({"steps": "narrow", "one_shot_bytes": 32 * 1024}, _NARROW_ACROSS),
+    "ddpx-wide": ({"steps": "wide", "one_shot_bytes": 32 * 1024}, _NARROW_ACROSS),
 }
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
@@ -93,12 +92,13 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
             else:
                 add_if_it_works(engines, name, engine, left_out)
         elif name in SCHEDULES:
-            attribute, value, across = SCHEDULES[name]
+            settings, across = SCHEDULES[name]
             if nodes > 1:
                 left_out[name] = across
                 continue
             group = dist.new_group(list(range(dist.get_world_size())))
-            setattr(engine_for(group), attribute, value)
+            for attribute, value in settings.items():
+                setattr(engine_for(group), attribute, value)
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
         else:
