@@ -131,7 +131,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         stats["sleeps"] = w.sleeps;
         stats["yields"] = w.yields;
         stats["lost_yields"] = w.lost_yields;
-        stats["ahead"] = w.ahead;
         return stats;
       })
       .def("shutdown", [](Engine& e) {

@@ -35,9 +35,6 @@ constexpr auto kSpinApart = std::chrono::microseconds(500);
 // this long is off its CPU, and spinning on would only spend this rank's share of its own.
 constexpr auto kPeerQuiet = std::chrono::microseconds(300);
 constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
-// A rank in narrow steps spins this long for a late peer before it works ahead: a peer that is
-// running arrives within it, and working ahead sooner would only push slots out of the cache.
-constexpr auto kWorkAheadAfter = std::chrono::microseconds(20);
 // A peer's share of one step takes well under this; a process outside the job, given the CPU by
 // a yield, keeps it for a time slice (a scheduler tick, 4 ms at HZ=250).
 constexpr auto kLostYield = std::chrono::microseconds(1000);
@@ -126,8 +123,7 @@ struct alignas(64) ShmAllreduce::RankControl {
   std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
   std::atomic<int32_t> cpu;       // the CPU this rank last published from
   std::atomic<int64_t> published_ns;  // when this rank last published, on the steady clock
-  std::atomic<uint64_t> done;     // every step up to this one is over here, its slots read
-  char pad1[36];
+  char pad1[44];
   // Peers waiting for this rank sleep on `wake`, which it bumps when it publishes while
   // `sleepers` > 0: a publish wakes only the ranks that wait for this one.
   std::atomic<uint32_t> sleepers;
@@ -240,31 +236,12 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
   control_[me_].pid_ns = pid_namespace();
 }
 
-size_t ShmAllreduce::ring_steps() const {
-  return 2 * (layout_.wide_bytes / layout_.block_bytes);
-}
-
-// A wide step fills its slot; narrow ones go round the narrow blocks of the slot of their
-// parity, so that a step's blocks were last used ring_steps() steps before.
-size_t ShmAllreduce::ring_entry(uint64_t step) const {
-  return wide_steps_ ? 0 : size_t(step >> 1) % (ring_steps() / 2);
-}
-
 char* ShmAllreduce::input_slot(int rank, uint64_t step) const {
-  return data_ + (2 * size_t(rank) + (step & 1)) * layout_.wide_bytes +
-         ring_entry(step) * layout_.block_bytes;
+  return data_ + (2 * size_t(rank) + (step & 1)) * layout_.wide_bytes;
 }
 
 char* ShmAllreduce::output_slot(uint64_t step) const {
-  return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.wide_bytes +
-         ring_entry(step) * 2 * layout_.block_bytes;
-}
-
-bool ShmAllreduce::peers_done(uint64_t step) const {
-  for (int r = 0; r < layout_.nranks; ++r) {
-    if (r != me_ && control_[r].done.load(std::memory_order_seq_cst) < step) return false;
-  }
-  return true;
+  return data_ + (2 * size_t(layout_.nranks) + 2 * (step & 1)) * layout_.wide_bytes;
 }
 
 int ShmAllreduce::size_class(size_t bytes) {
@@ -484,24 +461,20 @@ std::string ShmAllreduce::wait_policy() const {
   }
   const auto us = [](auto d) { return std::to_string(d.count()) + " us"; };
   const int cpus = ranks_cpu_count();
-  const std::string ahead = "; in narrow two-phase steps a rank works up to " +
-                            std::to_string(ring_steps()) + " blocks ahead of a peer late by " +
-                            (layout_.nranks > cpus ? std::string("any") : us(kWorkAheadAfter)) +
-                            " before it waits";
   if (layout_.nranks > cpus) {
     return "waits yield first (" + std::to_string(layout_.nranks) + " ranks may run on " +
-           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) + ", then sleep" +
-           ahead;
+           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) +
+           ", then sleep";
   }
   return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
          (apart ? " (this rank is bound apart from its peers)" : "") +
-         ", less once the awaited ranks are silent for " + us(kPeerQuiet) + ", then sleep" + ahead;
+         ", less once the awaited ranks are silent for " + us(kPeerQuiet) + ", then sleep";
 }
 
 ShmAllreduce::WaitStats ShmAllreduce::wait_stats() const {
   return {waited_ns_.load(std::memory_order_relaxed), waits_.load(std::memory_order_relaxed),
           sleeps_.load(std::memory_order_relaxed), yields_.load(std::memory_order_relaxed),
-          lost_yields_.load(std::memory_order_relaxed), ahead_.load(std::memory_order_relaxed)};
+          lost_yields_.load(std::memory_order_relaxed)};
 }
 
 // The stages of a wait:
@@ -717,7 +690,6 @@ void ShmAllreduce::begin_call() {
   // The binding is the user's and may change between calls (taskset -p): each call reads it.
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
-  control_[me_].done.store(step_, std::memory_order_seq_cst);
   oversubscribed_ = layout_.nranks > ranks_cpu_count();
   schedules_.store(agreed_, std::memory_order_relaxed);
   wide_steps_ = false;
@@ -815,8 +787,10 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       !one_shot && wire == dtype && scale == 1.0 && out_store == Store::Cached;
   // Puts block b in this rank's input slot (less the slice it sums itself, where that is read in
   // place) and waits for every peer's; returns its step.
-  auto fill = [&](int64_t b, uint64_t step) {
+  auto arrive = [&](int64_t b) {
+    const uint64_t step = ++step_;
     const int64_t count = block_count(b);
+    if (b == 0) control_[me_].meta[step & 1] = mine;
     if (count > 0 && own_slice_direct) {
       const auto [lo, hi] = my_slice(count);
       k.pack(input_slot(me_, step), wire, local_block(b), dtype, lo, scale, Store::Cached);
@@ -826,11 +800,6 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
       k.pack(input_slot(me_, step), wire, local_block(b), dtype, count, scale, Store::Cached);
     }
     publish(Phase::Arrive, step);
-  };
-  auto arrive = [&](int64_t b) {
-    const uint64_t step = ++step_;
-    if (b == 0) control_[me_].meta[step & 1] = mine;
-    fill(b, step);
     const auto waits_from = WaitClock::now();
     wait_all(Phase::Arrive, step, what);
     if (b == 0) skew = WaitClock::now() - waits_from;
@@ -861,67 +830,6 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     k.pack(local_block(b), dtype, output_slot(step), acc, block_count(b), 1.0, out_store);
   };
 
-  if (!cross_node_ && !one_shot && !wide) {
-    // Narrow two-phase steps, in lockstep while the ranks run together. A rank that would wait
-    // works ahead instead: it sums its slices of later blocks whose inputs are in, and fills later
-    // blocks, up to a ring of slots ahead of its copies out. On a busy machine a peer is often off
-    // its CPU for a time slice; what a rank can do meanwhile is then done, not waited for.
-    //
-    // A rank fills step s ahead only once every peer is done with step s - ring (the last user
-    // of its slots) and with every call before this one. Its own lead keeps it done with
-    // s - ring, so a peer that finds it arrived at s may write s's output slot too.
-    const uint64_t first = arrive(0);
-    const uint64_t ring = ring_steps();
-    int64_t filled = 1, summed = 0;
-    auto sum = [&](int64_t b) {
-      const uint64_t step = first + uint64_t(b);
-      const auto [lo, hi] = my_slice(block_count(b));
-      sum_my_slice(step, b, lo, hi, output_slot(step) + size_t(lo) * acc_size);
-      publish(Phase::Reduce, step);
-    };
-    auto work_ahead = [&](int64_t copying) {
-      if (summed < filled && peers_at(Phase::Arrive, first + uint64_t(summed))) {
-        sum(summed++);
-        return true;
-      }
-      const uint64_t step = first + uint64_t(filled);
-      if (filled < blocks && uint64_t(filled - copying) < ring &&
-          peers_done(std::max(first - 1, step > ring ? step - ring : 0))) {
-        fill(filled++, step);
-        return true;
-      }
-      return false;
-    };
-    // Without more ranks than CPUs, a peer this late is most likely off its CPU.
-    auto await = [&](Phase phase, uint64_t step, int64_t copying) {
-      const auto since = WaitClock::now();
-      while (!peers_at(phase, step)) {
-        if (!oversubscribed_ && WaitClock::now() - since < kWorkAheadAfter) {
-          cpu_relax();
-        } else if (work_ahead(copying)) {
-          ahead_.fetch_add(1, std::memory_order_relaxed);
-        } else {
-          break;
-        }
-      }
-      wait_all(phase, step, what);
-    };
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint64_t step = first + uint64_t(b);
-      if (filled == b) fill(filled++, step);
-      // The wait may sum this block itself, as work ahead.
-      if (summed == b && b > 0) await(Phase::Arrive, step, b);
-      if (summed == b) sum(summed++);
-      await(Phase::Reduce, step, b);
-      k.pack(local_block(b), dtype, output_slot(step), acc, block_count(b), 1.0, out_store);
-      control_[me_].done.store(step, std::memory_order_seq_cst);
-    }
-    step_ = first + uint64_t(blocks) - 1;
-    if (me_ == 0 && timed >= 0) {
-      time_schedule(timed, schedule, bytes, WaitClock::now() - started - skew);
-    }
-    return;
-  }
   if (!cross_node_) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint64_t step = arrive(b);

@@ -13,11 +13,9 @@
 // change from one launch (or minute) to the next, so local rank 0 times them per size class as
 // the job runs and picks for all (see time_schedule).
 //
-// Reusing a slot needs no extra synchronisation in lockstep: a rank writes step s's slots only
-// after every peer has arrived at step s-1, which each does only after it finished reading step
-// s-2, the last user of those slots. Narrow steps go round the narrow blocks of the slots, so
-// that a rank in narrow two-phase steps can work ahead of a late peer (see allreduce); it checks
-// that every peer is done with the slots it writes ahead.
+// Reusing a slot needs no extra synchronisation: a rank writes step s's slots only after every
+// peer has arrived at step s-1, which each does only after it finished reading step s-2, the
+// last user of those slots.
 #pragma once
 
 #include <atomic>
@@ -155,7 +153,6 @@ class ShmAllreduce {
     uint64_t sleeps;       // futex sleeps
     uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
     uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
-    uint64_t ahead;        // blocks filled or summed ahead of a late peer instead of waiting
   };
   WaitStats wait_stats() const;
   // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
@@ -173,11 +170,8 @@ class ShmAllreduce {
   enum class Phase { Arrive, Reduce };
   enum class Collective : int32_t { AllReduce, AllGather, Broadcast, ReduceScatter };
 
-  size_t ring_steps() const;  // narrow steps between two uses of the same slots
-  size_t ring_entry(uint64_t step) const;
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
-  bool peers_done(uint64_t step) const;  // every other rank is done with step and those before
   void publish(Phase phase, uint64_t step);
   using WaitClock = std::chrono::steady_clock;
   std::atomic<uint64_t>& counter(int rank, Phase phase) const;
@@ -271,8 +265,7 @@ class ShmAllreduce {
   bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
   WaitClock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;
-  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0},
-      ahead_{0};
+  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
 };
 
 }  // namespace ddpx

@@ -179,21 +179,16 @@ def test_ranks_rebound_to_one_cpu_yield_to_each_other():
     assert sum(bound for (_, bound), _ in results) > 0
 
 
-def works_ahead_of_a_stopped_peer(rank, world):
+def sums_while_a_peer_is_stopped(rank, world):
     """Rank 1 is stopped (SIGSTOP) for 20 ms at a time while both reduce 25 MB, as a busy core
-    would deschedule it; returns how many blocks this rank did ahead and whether every sum was
-    exact."""
+    deschedules a rank mid-call; returns whether every sum was exact."""
     import subprocess
 
     import ddpx
     import torch.distributed as dist
-    from ddpx.engine import engine_for
 
-    engine = engine_for()
     x = torch.arange(25 * 1024 * 1024 // 4, dtype=torch.float32).remainder_(97).add_(rank)
     expected = x * world - rank * world + sum(range(world))
-    ddpx.all_reduce(x.clone())
-    before = engine.wait_stats["ahead"]
     stopper = None
     if rank == 1:
         pid = os.getpid()
@@ -208,12 +203,10 @@ def works_ahead_of_a_stopped_peer(rank, world):
         exact &= torch.equal(y, expected)
     if stopper is not None:
         stopper.wait()
-    return engine.wait_stats["ahead"] - before, exact
+    return exact
 
 
-def test_a_rank_works_ahead_of_a_stopped_peer():
-    """While its peer is stopped mid-call, a rank sums and fills the blocks it can (the counts
-    say so), and every sum stays exact."""
-    (ahead, exact0), (_, exact1) = run_ranks(works_ahead_of_a_stopped_peer, 2)
-    assert exact0 and exact1
-    assert ahead > 0
+def test_sums_stay_exact_while_a_peer_is_stopped_mid_call():
+    """A rank descheduled for 20 ms again and again in the middle of calls (its peer waits,
+    sleeps, and is woken) changes no bit of any result."""
+    assert run_ranks(sums_while_a_peer_is_stopped, 2) == [True, True]
