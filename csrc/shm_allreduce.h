@@ -130,9 +130,9 @@ class ShmAllreduce {
   // before any data crosses.
   void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes);
 
-  // How the all-reduce picks its schedule: timed (by local rank 0, see time_schedule), or in
-  // narrow or wide steps, one-shot up to one_shot_bytes. Every rank must set the same, between
-  // calls.
+  // How the all-reduce picks its schedule: in narrow (the default) or wide steps, one-shot up
+  // to one_shot_bytes, or timed (by local rank 0, see time_schedule). Every rank must set the
+  // same, between calls.
   enum class Steps { Timed, Narrow, Wide };
   // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
   static constexpr size_t kOneShotAlways = size_t(32) << 10;
@@ -245,7 +245,7 @@ class ShmAllreduce {
   size_t chunk_bytes_ = 0;
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
-  std::atomic<Steps> steps_{Steps::Timed};
+  std::atomic<Steps> steps_{Steps::Narrow};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint64_t> schedules_{0};
   bool wide_steps_ = false;  // whether this call goes in wide steps

@@ -33,16 +33,14 @@ logger = logging.getLogger("ddpx")
 _SHM_DIR = "/dev/shm"
 _SEGMENT_PREFIX = "ddpx-"
 # Measured on 2 cores with 2 and 4 ranks (README): 256 KiB blocks keep a step's slots in the
-# last-level cache. On a busy machine a synchronisation can cost a time slice, and wide blocks,
-# 16 times fewer, were up to 2x faster there (docs/under-load.md); the engine times both.
+# last-level cache. Wide blocks, 16 times fewer, are there for engine.steps "wide" and "timed"
+# (docs/under-load.md).
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
 _WIDE_KB = int(os.environ.get("DDPX_WIDE_KB", "4096"))
-# The largest message that may go one-shot (every rank sums whole blocks after one exchange)
-# instead of two-phase (a slice each, then a second exchange). Which is faster from tens of KiB to
-# a few MiB depends on how the node's cores share their caches and on the machine's load, which
-# can change from one launch to the next on a VM: the engine times them as the job runs
-# (docs/under-load.md).
-_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "4096"))
+# Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
+# each with a second exchange (two-phase): above 32 KiB, narrow two-phase steps were the fastest
+# schedule here idle and busy, in every launch measured (docs/under-load.md).
+_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "32"))
 # Across nodes (README, "Across a network"): slices cross in chunks of this much of the message,
 # taking turns on this many lanes (two process groups each), so the link never waits for the node.
 _CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))

@@ -124,8 +124,8 @@ def check_times(row: dict) -> None:
 
 
 def test_allreduce(tmp_path):
-    engines = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot", "ddpx-narrow",
-               "ddpx-wide"]
+    engines = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot", "ddpx-wide",
+               "ddpx-timed"]
     sizes = [4096, 1024 * 1024]  # 1 MiB: four narrow steps or one wide one
     options = "--sizes 4K,1M --iters 3 --min_time 0.05 --warmup 1".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))

@@ -259,7 +259,7 @@ def schedules(rank, world):
     from ddpx.engine import engine_for
 
     engine = engine_for(None)
-    assert engine.one_shot_bytes == 4096 * 1024 and engine.steps == "timed"
+    assert engine.one_shot_bytes == 32 * 1024 and engine.steps == "narrow"
     fixed = {"one-shot": ("narrow", 4096), "narrow": ("narrow", 32), "wide": ("wide", 32)}
     results = {}
     for name, (steps, one_shot_kb) in fixed.items():

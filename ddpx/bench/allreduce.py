@@ -33,14 +33,14 @@ from ddpx.bench.common import (
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
-# ddpx with the schedule it times fixed: (the engine's settings, why a run across nodes leaves it
-# out). One-shot is every size up to the engine's one-shot size, 4 MiB unless DDPX_ONE_SHOT_KB.
+# ddpx with another schedule than its default (one-shot up to 32 KiB, narrow two-phase steps
+# above): (the engine's settings, why a run across nodes leaves it out).
 _NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
 _NARROW_ACROSS = "across nodes every step is narrow"
 SCHEDULES = {
-    "ddpx-oneshot": ({"steps": "narrow"}, _NO_ONE_SHOT),
-    "ddpx-narrow": ({"steps": "narrow", "one_shot_bytes": 32 * 1024}, _NARROW_ACROSS),
-    "ddpx-wide": ({"steps": "wide", "one_shot_bytes": 32 * 1024}, _NARROW_ACROSS),
+    "ddpx-oneshot": ({"one_shot_bytes": 4096 * 1024}, _NO_ONE_SHOT),
+    "ddpx-wide": ({"steps": "wide"}, _NARROW_ACROSS),
+    "ddpx-timed": ({"steps": "timed", "one_shot_bytes": 4096 * 1024}, _NARROW_ACROSS),
 }
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'

@@ -68,11 +68,11 @@ inference_all_reduce, called directly; its first use compiles it, about a minute
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, before any timing), and `copy`, which is
 not an all-reduce: every rank at once copies its tensor into a buffer of the same size, the least
 memory traffic (read the tensor, write a result) any in-place all-reduce needs, a floor to read
-the others against (it is timed, not checked). Three more, not run unless named, ddpx with one of
-the schedules it times as it runs fixed (docs/under-load.md): `ddpx-oneshot`, every rank sums
-whole blocks up to 4 MiB; `ddpx-narrow` and `ddpx-wide`, every all-reduce over 32 KiB split into
-slices in 256 KiB or in 4 MiB steps. Engines that do not work here
-are left out with a note (the peers when not installed;
+the others against (it is timed, not checked). Three more, not run unless named, ddpx with
+another schedule than its default (one-shot up to 32 KiB, slices in 256 KiB steps above;
+docs/under-load.md): `ddpx-oneshot`, every rank sums whole blocks up to 4 MiB; `ddpx-wide`,
+slices in 4 MiB steps; `ddpx-timed`, local rank 0 timing the three per size as it runs. Engines
+that do not work here are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
 simulated nodes as one machine; the fixed schedules with --nodes, which always split).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with

@@ -20,7 +20,7 @@ WIRE = {
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
     "ddpx-oneshot": None,
-    "ddpx-narrow": None,
+    "ddpx-timed": None,
     "ddpx-wide": None,
     "default": None,
     "none": None,
