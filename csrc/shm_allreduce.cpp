@@ -332,7 +332,7 @@ void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, WaitClock::d
   if (next == kOneShot) chosen_ |= one_shot;
 }
 
-// The ranges of classes whose schedule is s in the agreed mask, merged, as "a-b KiB".
+// The ranges of classes whose bit is set in the mask's word at shift, merged, as "a-b KiB".
 static std::string class_ranges(uint64_t mask, int shift) {
   std::string out;
   for (int k = 0; k < 32;) {
@@ -356,10 +356,14 @@ std::string ShmAllreduce::wide_sizes() const {
   return class_ranges(schedules_.load(std::memory_order_relaxed), 0);
 }
 
+size_t ShmAllreduce::always_one_shot_bytes() const {
+  if (cross_node_) return 0;
+  return steps() == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
+}
+
 std::string ShmAllreduce::one_shot_sizes() const {
   if (cross_node_) return "";
-  const size_t fixed =
-      steps() == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
+  const size_t fixed = always_one_shot_bytes();
   std::string out = fixed ? "up to " + std::to_string(fixed >> 10) + " KiB" : "";
   if (steps() != Steps::Timed) return out;
   const std::string timed = class_ranges(schedules_.load(std::memory_order_relaxed), 32);
@@ -738,13 +742,14 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const size_t bytes = size_t(numel) * wire_size;
   const Steps steps = this->steps();
   const int timed = steps == Steps::Timed ? timed_class(bytes) : -1;
-  const Schedule schedule =
-      timed >= 0 ? scheduled(agreed_, timed)
-      : !cross_node_ && bytes <= (steps == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes())
-                                                        : one_shot_bytes())
-          ? kOneShot
-      : steps == Steps::Wide && may_run(size_class(bytes), kWide) ? kWide
-                                                                  : kNarrow;
+  Schedule schedule = kNarrow;
+  if (timed >= 0) {
+    schedule = scheduled(agreed_, timed);
+  } else if (!cross_node_ && bytes <= always_one_shot_bytes()) {
+    schedule = kOneShot;
+  } else if (steps == Steps::Wide && may_run(size_class(bytes), kWide)) {
+    schedule = kWide;
+  }
   const bool wide = schedule == kWide;
   wide_steps_ = wide;
   // A call's time, as local rank 0 times the schedules, leaves out its wait for the ranks to

@@ -8,10 +8,10 @@
 // each rank sums its slice of a block into a shared float32 output slot, and all copy the whole
 // result out, in narrow blocks, which stay in the cache, or in wide ones, which need fewer
 // synchronisations (on a busy machine each can cost a peer's time slice). All sum the ranks in
-// rank order in float32, so every rank gets the same bits, whichever schedule ran. Which is
-// fastest for a size depends on the cores' caches and on the machine's load, both of which can
-// change from one launch (or minute) to the next, so local rank 0 times them per size class as
-// the job runs and picks for all (see time_schedule).
+// rank order in float32, so every rank gets the same bits, whichever schedule ran. By default
+// messages up to one_shot_bytes go one-shot and larger ones in narrow two-phase steps; with
+// timed steps local rank 0 times the schedules per size class as the job runs and picks for
+// all (see time_schedule).
 //
 // Reusing a slot needs no extra synchronisation: a rank writes step s's slots only after every
 // peer has arrived at step s-1, which each does only after it finished reading step s-2, the
@@ -141,6 +141,8 @@ class ShmAllreduce {
   // Which sizes the next all-reduce calls go in wide steps and one-shot for, as "a-b KiB" ranges.
   std::string wide_sizes() const;
   std::string one_shot_sizes() const;
+  // Messages up to this size go one-shot whatever else is chosen.
+  size_t always_one_shot_bytes() const;
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
