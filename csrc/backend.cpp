@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
+#include <utility>
 
 namespace ddpx {
 namespace {
@@ -34,6 +36,78 @@ class EngineWork final : public c10d::Work {
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A send or receive on the inner gloo, whose works have no future: the first getFuture() starts a
+// thread that waits for the work and then completes the future with its tensors.
+class PointToPointWork final : public c10d::Work {
+ public:
+  PointToPointWork(c10::intrusive_ptr<c10d::Work> inner, std::vector<at::Tensor> tensors,
+                   c10d::OpType type)
+      : Work(-1, type), inner_(std::move(inner)), tensors_(std::move(tensors)) {}
+
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  std::vector<at::Tensor> result() override { return tensors_; }
+  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  void abort() override { inner_->abort(); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::call_once(started_, [this] {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()));
+      std::thread([inner = inner_, future = future_, tensors = c10::List<at::Tensor>(tensors_)] {
+        try {
+          inner->wait();
+          future->markCompleted(c10::IValue(tensors));
+        } catch (...) {
+          future->setError(std::current_exception());
+        }
+      }).detach();
+    });
+    return future_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::vector<at::Tensor> tensors_;
+  std::once_flag started_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The calls made between startCoalescing and endCoalescing, as one work.
+class CoalescedWork final : public c10d::Work {
+ public:
+  explicit CoalescedWork(std::vector<c10::intrusive_ptr<c10d::Work>> works)
+      : Work(-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
+
+  bool isCompleted() override {
+    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); });
+  }
+  bool isSuccess() const override {
+    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isSuccess(); });
+  }
+  std::exception_ptr exception() const override {
+    for (const auto& w : works_) {
+      if (auto error = w->exception()) return error;
+    }
+    return nullptr;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (const auto& w : works_) w->wait(timeout);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
+        c10::FutureType::create(c10::AnyType::get()));
+    for (const auto& w : works_) futures.push_back(w->getFuture());
+    return c10::collectAll(futures);
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
 
 bool is_sum(const ReduceOp& op) {
@@ -219,9 +293,20 @@ Backend::Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
 }
 
-void Backend::count(const char* name, int path) {
+void Backend::count(const char* name, Path path) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++routes_[name][size_t(path)];
+  ++routes_[name][path];
+  ++sequence_;
+}
+
+void Backend::setSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  sequence_ = 0;
+}
+
+uint64_t Backend::getSequenceNumberForGroup() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return sequence_;
 }
 
 std::map<std::string, std::array<uint64_t, 2>> Backend::routes() const {
@@ -239,7 +324,7 @@ std::string Backend::describe() const {
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
                                                   std::vector<at::Tensor> outputs,
                                                   std::vector<Step> steps) {
-  count(name, 0);
+  count(name, kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
   auto run_all = [outputs = c10::List<at::Tensor>(outputs),
                   steps = std::move(steps)](ShmAllreduce& shm) {
@@ -267,7 +352,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
 
 c10::intrusive_ptr<c10d::Work> Backend::on_gloo(const char* name,
                                                 c10::intrusive_ptr<c10d::Work> work) {
-  count(name, 1);
+  count(name, kGloo);
   if (coalescing_) coalesced_.push_back(work);
   return work;
 }
@@ -281,11 +366,7 @@ void Backend::startCoalescing() {
 c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
   TORCH_CHECK(coalescing_, "ddpx: endCoalescing without startCoalescing");
   coalescing_ = false;
-  c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
-      c10::FutureType::create(c10::AnyType::get()));
-  for (const auto& work : coalesced_) futures.push_back(work->getFuture());
-  coalesced_.clear();
-  return c10::make_intrusive<EngineWork>(c10::collectAll(futures), c10d::OpType::COALESCED);
+  return c10::make_intrusive<CoalescedWork>(std::exchange(coalesced_, {}));
 }
 
 Backend::Step Backend::allreduce_step(const at::Tensor& tensor, const ReduceOp& op) const {
@@ -511,15 +592,19 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return on_gloo("send", gloo_->send(tensors, dst, tag));
+  return on_gloo("send", c10::make_intrusive<PointToPointWork>(gloo_->send(tensors, dst, tag),
+                                                               tensors, c10d::OpType::SEND));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return on_gloo("recv", gloo_->recv(tensors, src, tag));
+  return on_gloo("recv", c10::make_intrusive<PointToPointWork>(gloo_->recv(tensors, src, tag),
+                                                               tensors, c10d::OpType::RECV));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return on_gloo("recv", gloo_->recvAnysource(tensors, tag));
+  return on_gloo("recv", c10::make_intrusive<PointToPointWork>(
+                             gloo_->recvAnysource(tensors, tag), tensors,
+                             c10d::OpType::RECVANYSOURCE));
 }
 
 }  // namespace ddpx

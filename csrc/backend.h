@@ -79,7 +79,13 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  // One number per call of the backend, the same on every rank while the ranks make the same
+  // calls: TORCH_DISTRIBUTED_DEBUG=DETAIL checks it across ranks before each collective.
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+
   // Which path serves this group, and how many calls of each collective each path took.
+  enum Path : size_t { kEngine = 0, kGloo = 1 };
   std::string describe() const;
   std::map<std::string, std::array<uint64_t, 2>> routes() const;
 
@@ -91,7 +97,7 @@ class Backend final : public c10d::Backend {
                                            std::vector<at::Tensor> outputs,
                                            std::vector<Step> steps);
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
-  void count(const char* name, int path);
+  void count(const char* name, Path path);
   bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
   Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
   Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
@@ -103,6 +109,7 @@ class Backend final : public c10d::Backend {
   std::string why_not_;
   mutable std::mutex mu_;
   std::map<std::string, std::array<uint64_t, 2>> routes_;
+  uint64_t sequence_ = 0;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;
 };

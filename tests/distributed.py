@@ -24,6 +24,7 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend, gr
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dist.set_debug_level_from_env()  # torch read it at import, before env was applied
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
