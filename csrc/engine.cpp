@@ -372,8 +372,15 @@ std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).fir
 
 }  // namespace
 
-std::string invalid_input(const at::Tensor& tensor, const Request& request,
+at::Tensor as_real(const at::Tensor& tensor) {
+  return tensor.defined() && tensor.layout() == at::kStrided && tensor.is_complex()
+             ? at::view_as_real(tensor)
+             : tensor;
+}
+
+std::string invalid_input(const at::Tensor& input, const Request& request,
                           c10::DeviceType device) {
+  const at::Tensor tensor = as_real(input);
   // The common case, valid and uncompressed, returns before a message is built.
   if (tensor.defined() && tensor.layout() == at::kStrided && tensor.device().type() == device &&
       tensor.is_contiguous() &&
@@ -399,7 +406,8 @@ std::string invalid_input(const at::Tensor& tensor, const Request& request,
         << "): pass tensor.contiguous() and copy the result back";
   } else if (!to_dtype(tensor.scalar_type())) {
     why << "ddpx: " << request.what << " has dtype " << dtype_name(tensor.scalar_type())
-        << "; ddpx reduces float32, float64, bfloat16 and float16 (use torch.distributed.all_reduce "
+        << "; ddpx reduces float32, float64, bfloat16, float16 and complex64/128 (use "
+           "torch.distributed.all_reduce "
            "for other dtypes)";
   } else if (request.wire && !to_dtype(*request.wire)) {
     why << "ddpx: compression to " << dtype_name(*request.wire) << " is not supported";
@@ -431,7 +439,7 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   } else if (scale != 1.0) {
     tensor.mul_(scale);
   }
-  std::vector<at::Tensor> tensors{tensor};
+  std::vector<at::Tensor> tensors{as_real(tensor)};
   auto work = group.allreduce(tensors, opts);
   return work->getFuture()->then(
       [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
@@ -472,9 +480,10 @@ void ShmEngine::shutdown() {
   }
 }
 
-void ShmEngine::execute(ShmAllreduce& shm, const at::Tensor& tensor, const Request& request) {
-  const std::string why = invalid_input(tensor, request, c10::DeviceType::CPU);
+void ShmEngine::execute(ShmAllreduce& shm, const at::Tensor& input, const Request& request) {
+  const std::string why = invalid_input(input, request, c10::DeviceType::CPU);
   if (!why.empty()) shm.reject(why, request.what);
+  const at::Tensor tensor = as_real(input);
   const DType dtype = *to_dtype(tensor.scalar_type());
   const DType wire = request.wire ? *to_dtype(*request.wire) : dtype;
   shm.allreduce(tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);

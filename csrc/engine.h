@@ -42,6 +42,10 @@ struct Request {
   std::string what;                     // names the call in errors ("gradient bucket 3")
 };
 
+// What the engines reduce for tensor: a complex tensor as its real and imaginary parts (a view of
+// twice the elements in the real dtype), any other tensor itself.
+at::Tensor as_real(const at::Tensor& tensor);
+
 // Why an engine for `device` tensors cannot reduce this tensor as requested, or "".
 std::string invalid_input(const at::Tensor& tensor, const Request& request, c10::DeviceType device);
 

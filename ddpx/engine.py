@@ -325,7 +325,8 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
 
     Blocking, and collective: every rank of the group calls it with the same size and dtype.
     float32, float64, bfloat16 and float16 are summed in float32 (float64 in float64), in rank
-    order, so every rank gets the same bits. ``compression="bf16"`` or ``"fp16"`` sends float32
+    order, so every rank gets the same bits; complex64 and complex128 as their real and imaginary
+    parts. ``compression="bf16"`` or ``"fp16"`` sends float32
     data in that dtype and still sums in float32. A sparse COO tensor is summed by the process
     group (uncompressed), as torch.distributed.all_reduce would.
 

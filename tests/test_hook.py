@@ -260,3 +260,62 @@ def test_input_refused_at_registration_not_at_backward():
     are the same on every rank."""
     first, second = run_ranks(refused_at_registration, 2)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+class ComplexNet(nn.Module):
+    """A complex64 layer, and with `wide` a complex128 layer after it (two buckets)."""
+
+    def __init__(self, wide: bool):
+        super().__init__()
+        self.single = nn.Linear(16, 16, dtype=torch.cfloat)
+        self.wide = nn.Linear(16, 4, dtype=torch.cdouble) if wide else None
+
+    def forward(self, x):
+        x = self.single(x)
+        return self.wide(x.to(torch.cdouble)) if self.wide is not None else x
+
+
+def train_complex(rank, world):
+    """A complex-valued model trained by DDP's default and by each hook: both layers
+    uncompressed, the complex64 layer alone with bf16 on the wire; and ddpx.all_reduce of
+    complex tensors."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    def run(hook, compression=None):
+        torch.manual_seed(0)
+        net = ComplexNet(wide=compression is None)
+        model = DDP(net, bucket_cap_mb=0.001)
+        register(model, hook, compression)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(7 + rank)
+        for _ in range(3):
+            x = torch.randn(8, 16, dtype=torch.cfloat, generator=data)
+            model(x).abs().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in net.parameters()]
+
+    sums = []
+    for dtype in (torch.cfloat, torch.cdouble):
+        t = torch.complex(torch.arange(5.0), -torch.arange(5.0) * (rank + 1)).to(dtype)
+        sums.append(ddpx.all_reduce(t, average=True))
+    return {"default": run("default"), "cpp": run("cpp"), "python": run("python"),
+            "bf16": run("cpp", "bf16"), "bf16 default": run("default", "bf16"), "sums": sums}
+
+
+def test_complex_parameters_train_as_with_the_default():
+    """DDP's default reduces complex gradients as their real pairs; so do the hooks, bit for bit
+    at 2 ranks (x/2 + y/2 rounds once, in either order). With bf16 on the wire every rank holds
+    the same bits, within bfloat16's rounding of the default."""
+    runs = run_ranks(train_complex, 2)
+    for run in runs:
+        for hook in ("cpp", "python"):
+            assert all(torch.equal(a, b) for a, b in zip(run[hook], run["default"], strict=True))
+        for a, b in zip(run["bf16"], run["bf16 default"], strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+        for dtype, total in zip((torch.cfloat, torch.cdouble), run["sums"], strict=True):
+            expected = torch.complex(torch.arange(5.0), -torch.arange(5.0) * 1.5).to(dtype)
+            assert total.dtype == dtype and torch.equal(total, expected)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["bf16"], runs[1]["bf16"], strict=True))

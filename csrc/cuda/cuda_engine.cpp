@@ -54,7 +54,7 @@ class CudaEngine final : public Engine {
   FuturePtr run_async(at::Tensor tensor, Request request) override {
     const std::string why = invalid_input(tensor, request, c10::DeviceType::CUDA);
     TORCH_CHECK_VALUE(why.empty(), why);
-    const at::ScalarType wire = request.wire.value_or(tensor.scalar_type());
+    const at::ScalarType wire = request.wire.value_or(as_real(tensor).scalar_type());
     const c10::cuda::CUDAGuard device(tensor.device());
     if (tensor.numel() == 0) return completed(tensor);
     if (wire == at::kFloat || wire == at::kDouble) {
@@ -84,19 +84,20 @@ class CudaEngine final : public Engine {
   }
 
   FuturePtr allreduce_compressed(at::Tensor tensor, at::ScalarType wire, double scale) {
+    const at::Tensor values = as_real(tensor);
     const int64_t world = group_->getSize();
     const int64_t me = group_->getRank();
-    const int64_t n = tensor.numel();
+    const int64_t n = values.numel();
     const int64_t slice = (n + world * kSliceAlign - 1) / (world * kSliceAlign) * kSliceAlign;
-    const cuda::WireType bucket_type = *wire_type(tensor.scalar_type());
+    const cuda::WireType bucket_type = *wire_type(values.scalar_type());
     const cuda::WireType wire_t = *wire_type(wire);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
     // Both buffers come from the caching allocator on the current stream; the waits below put
     // every later use of them on that stream, so they are freed safely when this returns.
-    at::Tensor staged = at::empty({slice * world}, tensor.options().dtype(wire));
+    at::Tensor staged = at::empty({slice * world}, values.options().dtype(wire));
     at::Tensor exchanged = at::empty_like(staged);
-    C10_CUDA_CHECK(cuda::scale_cast(staged.data_ptr(), wire_t, tensor.data_ptr(), bucket_type, n,
+    C10_CUDA_CHECK(cuda::scale_cast(staged.data_ptr(), wire_t, values.data_ptr(), bucket_type, n,
                                     float(scale), stream));
     // The padding travels and is summed like the data, then dropped; zeroed so that nothing
     // reads uninitialized memory.
@@ -111,7 +112,7 @@ class CudaEngine final : public Engine {
                                     slice, stream));
     all_gather(*group_, staged, mine, timeout_)->wait();
 
-    C10_CUDA_CHECK(cuda::scale_cast(tensor.data_ptr(), bucket_type, staged.data_ptr(), wire_t, n,
+    C10_CUDA_CHECK(cuda::scale_cast(values.data_ptr(), bucket_type, staged.data_ptr(), wire_t, n,
                                     1.0f, stream));
     return completed(tensor);
   }
