@@ -188,6 +188,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         py::arg("group"), py::arg("reason"));
 
+  m.def("publish_engine",
+        [](const std::string& group, const std::string& device, std::shared_ptr<Engine> engine) {
+          publish_engine(group, c10::Device(device).type(), engine);
+        },
+        py::arg("group"), py::arg("device"), py::arg("engine"));
+
   m.def("register_fused_hook",
         [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
            c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,

@@ -67,6 +67,11 @@ class Engine {
   virtual std::string describe() const = 0;
 };
 
+// Makes engine the one torch.ops.ddpx operators use for `device` tensors on the process group
+// named `group` (csrc/ops.cpp), for as long as it lives.
+void publish_engine(const std::string& group, c10::DeviceType device,
+                    const std::shared_ptr<Engine>& engine);
+
 class ShmEngine final : public Engine {
  public:
   // With across_nodes (process groups of the ranks of this local index on every node, a

@@ -14,6 +14,7 @@ CPP_SOURCES = (
     "shm_allreduce.cpp",
     "engine.cpp",
     "backend.cpp",
+    "ops.cpp",
     "bindings.cpp",
 )
 

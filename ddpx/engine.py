@@ -306,6 +306,7 @@ def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None
         else:
             by_device[device] = extension().make_process_group_engine(
                 group, f"{device} tensors go through the process group's all-reduce")
+        extension().publish_engine(group.group_name, device, by_device[device])
     return by_device[device]
 
 
@@ -328,7 +329,8 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     order, so every rank gets the same bits; complex64 and complex128 as their real and imaginary
     parts. ``compression="bf16"`` or ``"fp16"`` sends float32
     data in that dtype and still sums in float32. A sparse COO tensor is summed by the process
-    group (uncompressed), as torch.distributed.all_reduce would.
+    group (uncompressed), as torch.distributed.all_reduce would. Traced by torch.compile, the call
+    is the operator torch.ops.ddpx.all_reduce_, in the graph, with the same bits.
 
     Example::
         >>> t = torch.full((4,), float(dist.get_rank()))
@@ -336,6 +338,11 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"ddpx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
+    if torch.compiler.is_compiling():
+        name, scale = _operator_group(group, tensor.device.type, average)
+        torch.ops.ddpx.all_reduce_(tensor, name, scale,
+                                   None if compression is None else wire_dtype(compression))
+        return tensor
     # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
     pg = group if group is not None else _world.default_pg
     if tensor.is_sparse:
@@ -353,6 +360,15 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     wire = None if compression is None else wire_dtype(compression)
     engine.run(tensor, scale, wire, "ddpx.all_reduce")
     return tensor
+
+
+@torch.compiler.assume_constant_result
+def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
+    """torch.ops.ddpx.all_reduce_'s group name and scale for a call traced by torch.compile: run
+    once, while tracing (on every rank, so the engine is made collectively), not in the graph."""
+    engine_for(group, device)
+    pg = _resolve_group(group)
+    return pg.group_name, 1.0 / pg.size() if average else 1.0
 
 
 def sparse_all_reduce(tensor: torch.Tensor, group, scale: float) -> torch.futures.Future:
