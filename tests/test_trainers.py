@@ -132,3 +132,84 @@ def test_a_hook_state_made_before_the_process_group_binds_at_the_first_bucket(tm
     result = train("lazy", tmp_path, LAZY_JOB)
     assert result["hook"].startswith("ddpx shared-memory engine, 2 local ranks")
     assert_same_weights(result, reference)
+
+
+HF_JOB = '''
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+import ddpx
+import ddpx.transformers
+
+mode, out = sys.argv[1], sys.argv[2]
+if mode != "default":
+    dist.init_process_group("ddpx")  # before the TrainingArguments: Accelerate uses it
+
+
+class Data(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 100, (64, 12), generator=g)
+        self.labels = torch.randint(0, 3, (64,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+torch.manual_seed(0)
+config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=16, num_labels=3,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+model = BertForSequenceClassification(config)
+args = TrainingArguments(output_dir=out + ".d", max_steps=5, per_device_train_batch_size=8,
+                         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
+                         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
+                         ddp_backend="gloo" if mode == "default" else None, seed=0,
+                         data_seed=0, disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=Data())
+hook = ddpx.transformers.FusedHook(trainer) if mode == "hook" else None
+if hook is not None:
+    trainer.add_callback(hook)
+trainer.train()
+if dist.get_rank() == 0:
+    torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                "backend": dist.get_backend(),
+                "routes": dist.group.WORLD._get_backend(torch.device("cpu")).routes()
+                if mode != "default" else None,
+                "hook": hook.state.describe() if hook is not None else None}, out)
+'''
+
+
+@pytest.fixture(scope="module")
+def hf_default(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return train("default", tmp_path_factory.mktemp("hf-default"), HF_JOB)
+
+
+@pytest.fixture(scope="module")
+def hf_backend(hf_default, tmp_path_factory):
+    return train("backend", tmp_path_factory.mktemp("hf-backend"), HF_JOB)
+
+
+def test_hf_trainer_on_the_ddpx_backend(hf_default, hf_backend):
+    """A BERT classifier (from a config) trained 5 steps by the Trainer on 2 CPU processes:
+    on ddpx's backend, the bits of the Trainer on gloo, and every collective on the engine."""
+    assert hf_default["backend"] == "gloo" and hf_backend["backend"] == "ddpx"
+    assert_same_weights(hf_backend, hf_default)
+    assert hf_backend["routes"]["all_reduce"]["engine"] >= 5, hf_backend["routes"]
+    assert all(paths["gloo"] == 0 for paths in hf_backend["routes"].values()), hf_backend["routes"]
+
+
+def test_hf_trainer_with_the_fused_hook(hf_default, hf_backend, tmp_path):
+    result = train("hook", tmp_path, HF_JOB)
+    assert result["hook"] is not None and result["hook"].startswith("ddpx shared-memory engine")
+    assert_same_weights(result, hf_default)
+    # The 5 steps' gradient buckets (one each) went through the hook, not the backend.
+    assert (result["routes"]["all_reduce"]["engine"]
+            == hf_backend["routes"]["all_reduce"]["engine"] - 5), result["routes"]
