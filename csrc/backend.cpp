@@ -417,6 +417,69 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
   };
 }
 
+Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins,
+                                     bool equal_parts, std::string what) {
+  return [outs = std::move(outs), ins = std::move(ins), equal_parts,
+          what = std::move(what)](ShmAllreduce& shm) {
+    const int n = shm.local_size(), me = shm.local_rank();
+    const auto bytes = [](const at::Tensor& t) {
+      return t.defined() ? size_t(t.numel()) * t.element_size() : size_t(0);
+    };
+    const auto where = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+    std::vector<at::Tensor> dense_outs, dense_ins;
+    for (const auto& out : outs) dense_outs.push_back(out.defined() ? dense(out) : out);
+    for (const auto& in : ins) {
+      at::Tensor part = in.defined() ? dense(in) : in;
+      for (const auto& out : dense_outs) {
+        if (part.defined() && out.defined()) part = apart_from(part, out, at::Tensor());
+      }
+      dense_ins.push_back(part);
+    }
+    std::vector<size_t> sends, receives;
+    std::vector<const void*> from;
+    std::vector<void*> to;
+    for (int r = 0; r < n; ++r) {
+      sends.push_back(bytes(dense_ins[size_t(r)]));
+      receives.push_back(bytes(dense_outs[size_t(r)]));
+      from.push_back(where(dense_ins[size_t(r)]));
+      to.push_back(where(dense_outs[size_t(r)]));
+    }
+    size_t longest = std::max(*std::max_element(sends.begin(), sends.end()),
+                              *std::max_element(receives.begin(), receives.end()));
+    std::ostringstream why;
+    if (equal_parts) {
+      // Every part sent or received is as long as the longest: the other ranks' are too.
+      for (int r = 0; r < n && why.tellp() == 0; ++r) {
+        for (const at::Tensor* t : {&dense_ins[size_t(r)], &dense_outs[size_t(r)]}) {
+          if (t->defined() && bytes(*t) != longest && why.tellp() == 0) {
+            why << "ddpx: " << what << " needs parts of one size, got " << bytes(*t)
+                << " and " << longest << " bytes";
+          }
+        }
+      }
+    } else {
+      // Every rank's part sizes, so that all agree on the steps and check what they receive.
+      std::vector<int64_t> mine(sends.begin(), sends.end()), all(size_t(n * n));
+      std::vector<void*> rows;
+      for (int r = 0; r < n; ++r) rows.push_back(all.data() + r * n);
+      shm.allgather(mine.data(), mine.size() * sizeof(int64_t), rows.data(), what);
+      longest = size_t(*std::max_element(all.begin(), all.end()));
+      for (int r = 0; r < n && why.tellp() == 0; ++r) {
+        if (size_t(all[size_t(r * n + me)]) != receives[size_t(r)]) {
+          why << "ddpx: " << what << ": local rank " << r << " sends "
+              << all[size_t(r * n + me)] << " bytes to local rank " << me << ", which expects "
+              << receives[size_t(r)] << ": the ranks' splits must match";
+        }
+      }
+    }
+    if (why.tellp() > 0) shm.reject(why.str(), what);
+    shm.alltoall(from.data(), sends.data(), to.data(), receives.data(), longest, what);
+    for (size_t r = 0; r < outs.size(); ++r) {
+      if (outs[r].defined()) write_back(outs[r], dense_outs[r]);
+    }
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) {
   require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
@@ -568,27 +631,91 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::GatherOptions& opts) {
-  return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
+  const int world = getSize(), root = int(opts.rootRank), me = getRank();
+  const bool shaped = inputs.size() == 1 && root >= 0 && root < world &&
+                      (me == root ? outputs.size() == 1 && int(outputs[0].size()) == world
+                                  : outputs.empty() || outputs[0].empty());
+  if (!local() || !shaped) return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
+  // Every rank sends its input to the root only; the root receives a part from each.
+  std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
+  ins[size_t(root)] = inputs[0];
+  if (me == root) outs = outputs[0];
+  return on_engine("gather", opts.asyncOp, me == root ? outputs[0] : std::vector<at::Tensor>{},
+                   {alltoall_step(outs, ins, true, "torch.distributed.gather")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ScatterOptions& opts) {
-  return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
+  const int world = getSize(), root = int(opts.rootRank), me = getRank();
+  const bool shaped = outputs.size() == 1 && root >= 0 && root < world &&
+                      (me == root ? inputs.size() == 1 && int(inputs[0].size()) == world
+                                  : inputs.empty() || inputs[0].empty());
+  if (!local() || !shaped) return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
+  // The root sends a part to every rank; each receives from the root only.
+  std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
+  if (me == root) ins = inputs[0];
+  outs[size_t(root)] = outputs[0];
+  return on_engine("scatter", opts.asyncOp, outputs,
+                   {alltoall_step(outs, ins, true, "torch.distributed.scatter")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                       std::vector<int64_t>& output_splits,
                                                       std::vector<int64_t>& input_splits,
                                                       const c10d::AllToAllOptions& opts) {
-  return on_gloo("all_to_all_single",
-                 gloo_->alltoall_base(output, input, output_splits, input_splits, opts));
+  if (!local() || input.scalar_type() != output.scalar_type()) {
+    return on_gloo("all_to_all_single",
+                   gloo_->alltoall_base(output, input, output_splits, input_splits, opts));
+  }
+  const std::string what = "torch.distributed.all_to_all_single";
+  const int world = getSize();
+  const bool equal = input_splits.empty() && output_splits.empty();
+  auto parts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* role) {
+    std::vector<at::Tensor> out;
+    const at::Tensor flat = t.view(-1);  // contiguous: checked below
+    if (splits.empty()) {
+      require(t.numel() % world == 0, "ddpx: " + what + " splits its " + role + " of " +
+                                          std::to_string(t.numel()) + " elements into " +
+                                          std::to_string(world) + " equal parts: pass splits");
+      for (int r = 0; r < world; ++r) out.push_back(flat.narrow(0, r * (t.numel() / world),
+                                                                t.numel() / world));
+      return out;
+    }
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row = rows == 0 ? 0 : t.numel() / rows;
+    int64_t at_row = 0;
+    require(int(splits.size()) == world, "ddpx: " + what + " takes one split per rank");
+    for (int64_t split : splits) {
+      require(split >= 0 && at_row + split <= rows,
+              "ddpx: " + what + "'s " + role + " splits add up to more than its " +
+                  std::to_string(rows) + " rows");
+      out.push_back(flat.narrow(0, at_row * row, split * row));
+      at_row += split;
+    }
+    return out;
+  };
+  require(input.is_contiguous() && output.is_contiguous(),
+          "ddpx: " + what + " takes contiguous tensors");
+  return on_engine("all_to_all_single", opts.asyncOp, {output},
+                   {alltoall_step(parts(output, output_splits, "output"),
+                                  parts(input, input_splits, "input"), equal, what)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::AllToAllOptions& opts) {
-  return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
+  const int world = getSize();
+  const bool same_dtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
+    return t.scalar_type() == inputs[0].scalar_type();
+  }) && std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& t) {
+    return t.scalar_type() == inputs[0].scalar_type();
+  });
+  if (!local() || int(inputs.size()) != world || int(outputs.size()) != world || !same_dtype) {
+    return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
+  }
+  return on_engine("all_to_all", opts.asyncOp, outputs,
+                   {alltoall_step(outputs, inputs, false, "torch.distributed.all_to_all")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

@@ -1,8 +1,7 @@
 // ddpx as a torch.distributed backend for CPU tensors ("ddpx", "cpu:ddpx,cuda:nccl"): the
 // collectives that sum or move a group's tensors run on the node's shared-memory engine, and
-// what it does not serve (point-to-point, all-to-all, rooted gathers and reductions, and on a
-// job of several nodes everything but the all-reduce of floating-point sums) goes to an inner
-// gloo backend of the same ranks.
+// what it does not serve (point-to-point, reduce, and on a job of several nodes everything but
+// the all-reduce of floating-point sums) goes to an inner gloo backend of the same ranks.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -103,6 +102,10 @@ class Backend final : public c10d::Backend {
   Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
   Step reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,
                            const c10d::ReduceOp& op) const;
+  // all_to_all of the parts: ins[r] goes to rank r, outs[r] comes from it. equal_parts: every
+  // rank's parts are all the same size, which the ranks need not trade first.
+  static Step alltoall_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins,
+                            bool equal_parts, std::string what);
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<ShmEngine> engine_;

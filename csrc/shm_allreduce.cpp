@@ -596,7 +596,7 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
 
 std::string ShmAllreduce::describe_call(const CallMeta& m) {
   static const char* const names[] = {"", "an all-gather of ", "a broadcast of ",
-                                      "a reduce-scatter of "};
+                                      "a reduce-scatter of ", "an all-to-all of parts up to "};
   std::string out = names[m.op] + std::to_string(m.numel);
   if (m.dtype < 0) {
     out += " bytes (";
@@ -1013,6 +1013,42 @@ void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) srcs[r] = input_slot(r, step) + size_t(me_ * part) * wire_size;
     k.reduce(dst + size_t(lo) * size, dtype, srcs, n, wire, todo, store);
+  }
+}
+
+void ShmAllreduce::alltoall(const void* const* ins, const size_t* sends, void* const* outs,
+                            const size_t* receives, size_t longest, const std::string& what) {
+  const CallMeta mine = local_call(Collective::AllToAll, int64_t(longest), -1, 1.0, 0, what);
+  const Kernels& k = kernels();
+  const int n = layout_.nranks;
+  // Each step's slot holds one part per destination rank, whole cache lines each.
+  const size_t part = layout_.block_bytes / size_t(n) / 64 * 64;
+  const size_t steps = longest == 0 ? 1 : (longest + part - 1) / part;
+  size_t total = 0;
+  for (int r = 0; r < n; ++r) total += receives[r];
+  const Store store = total >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const auto piece = [&](size_t bytes, size_t lo) {
+    return lo < bytes ? std::min(part, bytes - lo) : size_t(0);
+  };
+  for (size_t s = 0; s < steps; ++s) {
+    const size_t lo = s * part;
+    const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
+      for (int r = 0; r < n; ++r) {
+        const size_t count = r == me_ ? 0 : piece(sends[r], lo);
+        if (count > 0) {
+          k.copy(slot + size_t(r) * part, static_cast<const char*>(ins[r]) + lo, count,
+                 Store::Cached);
+        }
+      }
+    }, what);
+    for (int r = 0; r < n; ++r) {
+      const size_t count = piece(receives[r], lo);
+      if (count == 0) continue;
+      const char* from = r == me_ ? static_cast<const char*>(ins[me_]) + lo
+                                  : input_slot(r, step) + size_t(me_) * part;
+      char* to = static_cast<char*>(outs[r]) + lo;
+      if (to != from) k.copy(to, from, count, store);
+    }
   }
 }
 

@@ -114,6 +114,11 @@ class ShmAllreduce {
   void broadcast(void* data, size_t bytes, int root, const std::string& what);
   void reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire, int64_t count,
                       double scale, const std::string& what);
+  // alltoall: this rank's ins[r] (sends[r] bytes) goes to local rank r, and outs[r]
+  // (receives[r] bytes) receives local rank r's part for this rank. longest, the largest part
+  // any rank sends, must be the same on every rank (the ranks check it): it sets the steps.
+  void alltoall(const void* const* ins, const size_t* sends, void* const* outs,
+                const size_t* receives, size_t longest, const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
 
   // The largest message (in the wire dtype) that may go one-shot: with fixed steps, every one up
@@ -170,7 +175,7 @@ class ShmAllreduce {
   struct RankControl;
   struct CallMeta;
   enum class Phase { Arrive, Reduce };
-  enum class Collective : int32_t { AllReduce, AllGather, Broadcast, ReduceScatter };
+  enum class Collective : int32_t { AllReduce, AllGather, Broadcast, ReduceScatter, AllToAll };
 
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;

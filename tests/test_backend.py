@@ -43,8 +43,9 @@ FEW_MB = 1_000_003  # elements: 4 MB of float32 per rank
 # The collectives the shared-memory engine serves on one node, and those left to the inner gloo.
 ENGINE_ROUTES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                  "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_reduce_coalesced",
-                 "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
-GLOO_ROUTES = ("send", "recv", "all_to_all", "gather", "scatter", "reduce")
+                 "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+                 "all_to_all", "gather", "scatter")
+GLOO_ROUTES = ("send", "recv", "reduce")
 # Half the smallest subnormal: the absolute rounding error of a result that lands there.
 TINY = {torch.float32: 2.0**-150, torch.float64: 0.0, torch.bfloat16: 2.0**-134,
         torch.float16: 2.0**-25}
@@ -575,8 +576,8 @@ class Battery:
         expect_equal(out, rank_order_sum([x[::2][rank * 100:(rank + 1) * 100] for x in s]),
                      "reduce_scatter_tensor of a strided input")
 
-    # -- what goes through gloo -----------------------------------------------------------------
-    def through_gloo(self):
+    # -- point-to-point (through gloo), all_to_all and the rooted collectives --------------------
+    def point_to_point_and_rooted(self):
         rank, world = self.rank, self.world
         # Blocking send/recv between ranks 0 and 1, then an isend/irecv ring.
         x = make(0, (4097,), torch.float32, "p2p")
@@ -694,7 +695,7 @@ def battery(rank, world):
         cpu_backend().describe()
     for section in (b.all_reduce_float_sums, b.all_reduce_exact_ops, b.broadcast, b.all_gather,
                     b.all_gather_into_tensor, b.reduce_scatter, b.reduce_scatter_tensor,
-                    b.barrier, b.coalesced, b.asynchronous, b.non_contiguous, b.through_gloo):
+                    b.barrier, b.coalesced, b.asynchronous, b.non_contiguous, b.point_to_point_and_rooted):
         section()
     b.check_routes()
     b.uncounted()

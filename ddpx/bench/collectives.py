@@ -34,6 +34,8 @@ COLLECTIVES = (
     "all_gather",
     "reduce_scatter",
     "barrier",
+    "all_to_all_single",
+    "all_to_all",
 )
 DEFAULT_COLLECTIVES = COLLECTIVES[:4]
 # ddpx's own all-reduce, beside torch.distributed.all_reduce on ddpx's group.
@@ -41,6 +43,8 @@ FUSED = "ddpx.all_reduce"
 # The collectives whose result is a sum (checked against a float64 one, within a tolerance); the
 # others' are copies of the inputs (checked for exact equality).
 SUMS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
+# The collectives that split each rank's input into one part per rank.
+SPLIT = ("reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all")
 # How long the last rank waits before it enters the barrier that is checked: no rank may leave it
 # before.
 BARRIER_DELAY_S = 0.01
@@ -61,7 +65,7 @@ def bench_collectives(args) -> dict:
     cells = []
     for collective in args.collectives:
         for size in [None] if collective == "barrier" else args.sizes:
-            if collective in ("reduce_scatter_tensor", "reduce_scatter") and size // 4 % world_size:
+            if collective in SPLIT and size // 4 % world_size:
                 left_out[f"{collective} of {format_size(size)} on {world_size} ranks"] = (
                     "its float32 input does not split evenly over the ranks"
                 )
@@ -128,6 +132,19 @@ def _call(collective: str, engine: str, group, numel: int):
         def call(tensor):
             dist.reduce_scatter(output, chunks(tensor), group=group)
             return output
+    elif collective == "all_to_all_single":
+        output = torch.empty(numel)
+
+        def call(tensor):
+            dist.all_to_all_single(output, tensor, group=group)
+            return output
+    elif collective == "all_to_all":
+        outputs = [torch.empty(numel // world_size) for _ in range(world_size)]
+        chunks = _Chunks(world_size)
+
+        def call(tensor):
+            dist.all_to_all(outputs, chunks(tensor), group=group)
+            return outputs
     elif collective == "barrier":
         def call(tensor):
             dist.barrier(group=group)
@@ -210,6 +227,9 @@ def _check_engines(collective: str, size: int | None, calls: dict, seed: int,
         # As for ddpx-bench allreduce: inputs in [-1, 1), world_size + 1 roundings of at most
         # u * world_size each.
         tolerance = (world_size + 1) * UNIT_ROUNDOFF[None] * world_size
+    elif collective.startswith("all_to_all"):
+        expected = torch.cat([tensor.chunk(world_size)[rank] for tensor in inputs]).double()
+        tolerance = 0.0
     else:
         gathered = collective.startswith("all_gather")
         expected = (torch.cat(inputs) if gathered else inputs[0]).double()

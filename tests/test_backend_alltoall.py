@@ -1,0 +1,144 @@
+"""all_to_all and all_to_all_single on the ddpx backend, through shared memory: the bytes gloo
+moves, with equal parts, uneven splits (empty parts included) and parts of many steps; and what
+gloo cannot do, checked against the parts expected: parts of different sizes in the list form,
+the input as the output, and an error on every rank for splits that do not match."""
+
+import pytest
+import torch
+
+from distributed import run_ranks
+
+
+def _payload(rank, dest, rows, dtype):
+    """Rank `rank`'s part for `dest`: values that name both, and the row."""
+    base = torch.arange(rows * 3, dtype=torch.float64).view(rows, 3)
+    return (base + 1000 * rank + 100 * dest).to(dtype)
+
+
+def _splits(world, rank):
+    """Uneven rows per destination, zero for one pair: rank r sends (r + d) % 3 rows to d."""
+    return [(rank + d) % 3 for d in range(world)]
+
+
+def _all_to_all(rank, world, ddpx_only):
+    """ddpx_only: also the calls gloo refuses or mishandles (parts of different sizes in the
+    list form, which gloo refuses; splits that do not match)."""
+    import torch.distributed as dist
+
+    results = {}
+    # Equal parts, small and of many steps (4 MiB per part), and in place.
+    for name, rows, dtype in [("equal", 5, torch.float32), ("large", 1 << 18, torch.float32),
+                              ("int", 7, torch.int64)]:
+        inp = torch.cat([_payload(rank, d, rows, dtype) for d in range(world)])
+        out = torch.empty_like(inp)
+        dist.all_to_all_single(out, inp)
+        results[name] = out
+    # Uneven splits.
+    sends = _splits(world, rank)
+    receives = [_splits(world, src)[rank] for src in range(world)]
+    inp = torch.cat([_payload(rank, d, sends[d], torch.bfloat16) for d in range(world)])
+    out = torch.empty(sum(receives), 3, dtype=torch.bfloat16)
+    dist.all_to_all_single(out, inp, output_split_sizes=receives, input_split_sizes=sends)
+    results["splits"] = out
+    # The list form.
+    ins = [_payload(rank, d, 2, torch.float64) for d in range(world)]
+    outs = [torch.empty(2, 3, dtype=torch.float64) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    results["list"] = torch.cat(outs)
+    if not ddpx_only:
+        return results
+    # The input as the output (gloo returns the input unchanged).
+    same = torch.cat([_payload(rank, d, 4, torch.float32) for d in range(world)])
+    dist.all_to_all_single(same, same)
+    results["in place"] = same
+    ins = [_payload(rank, d, sends[d], torch.float64) for d in range(world)]
+    outs = [torch.empty(receives[s], 3, dtype=torch.float64) for s in range(world)]
+    dist.all_to_all(outs, ins)
+    results["uneven list"] = torch.cat(outs)
+    # Splits that do not match: an error on every rank, and the group stays usable.
+    try:
+        wrong = [s + (1 if rank == 0 else 0) for s in receives]
+        dist.all_to_all_single(torch.empty(sum(wrong), 3), torch.empty(sum(sends), 3),
+                               output_split_sizes=wrong, input_split_sizes=sends)
+        results["mismatch"] = "no error"
+    except (RuntimeError, ValueError) as error:
+        results["mismatch"] = str(error)
+    after = torch.ones(4)
+    dist.all_reduce(after)
+    results["after"] = after
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    results["routes"] = backend.routes() if hasattr(backend, "routes") else None
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_moves_what_gloo_moves(world):
+    ddpx = run_ranks(_all_to_all, world, True, backend="ddpx")
+    gloo = run_ranks(_all_to_all, world, False, backend="gloo")
+    for rank in range(world):
+        for name in ("equal", "large", "int", "splits", "list"):
+            assert ddpx[rank][name].dtype == gloo[rank][name].dtype, name
+            assert torch.equal(ddpx[rank][name], gloo[rank][name]), (rank, name)
+        receives = [_splits(world, src)[rank] for src in range(world)]
+        expected = torch.cat([_payload(src, rank, receives[src], torch.float64)
+                              for src in range(world)])
+        assert torch.equal(ddpx[rank]["uneven list"], expected)
+        assert torch.equal(ddpx[rank]["in place"],
+                           torch.cat([_payload(src, rank, 4, torch.float32)
+                                      for src in range(world)]))
+        assert "the ranks' splits must match" in ddpx[rank]["mismatch"] or \
+            "rejected its input" in ddpx[rank]["mismatch"], ddpx[rank]["mismatch"]
+        assert torch.equal(ddpx[rank]["after"], torch.full((4,), float(world)))
+        routes = ddpx[rank]["routes"]
+        assert routes["all_to_all_single"] == {"engine": 6, "gloo": 0}, routes
+        assert routes["all_to_all"] == {"engine": 2, "gloo": 0}, routes
+
+
+def _gather_scatter(rank, world):
+    import torch.distributed as dist
+
+    results = {}
+    for root in (0, world - 1):
+        for rows in (3, 1 << 17):  # one step, and parts of many steps (1.5 MiB)
+            mine = _payload(rank, root, rows, torch.float32)
+            gathered = [torch.empty_like(mine) for _ in range(world)] if rank == root else None
+            dist.gather(mine, gathered, dst=root)
+            results[("gather", root, rows)] = torch.cat(gathered) if rank == root else None
+            parts = [_payload(root, d, rows, torch.float32) for d in range(world)]
+            got = torch.empty(rows, 3)
+            dist.scatter(got, parts if rank == root else None, src=root)
+            results[("scatter", root, rows)] = got
+    # The root's parts of the wrong size: an error on every rank, and the group stays usable.
+    try:
+        got = torch.empty(4, 3)
+        parts = [torch.zeros(4 + (d == 1), 3) for d in range(world)]
+        dist.scatter(got, parts if rank == 0 else None, src=0)
+        results["mismatch"] = "no error"
+    except (RuntimeError, ValueError) as error:
+        results["mismatch"] = str(error)
+    after = torch.ones(2)
+    dist.all_reduce(after)
+    results["after"] = after
+    results["routes"] = dist.group.WORLD._get_backend(torch.device("cpu")).routes()
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gather_and_scatter_on_the_engine(world):
+    """gather and scatter, to and from the first and the last rank, one step and many: the
+    parts expected, on the engine; parts of the wrong size are an error on every rank."""
+    runs = run_ranks(_gather_scatter, world, backend="ddpx")
+    for rank, results in enumerate(runs):
+        for root in (0, world - 1):
+            for rows in (3, 1 << 17):
+                if rank == root:
+                    expected = torch.cat([_payload(src, root, rows, torch.float32)
+                                          for src in range(world)])
+                    assert torch.equal(results[("gather", root, rows)], expected)
+                assert torch.equal(results[("scatter", root, rows)],
+                                   _payload(root, rank, rows, torch.float32))
+        assert "needs parts of one size" in results["mismatch"] or \
+            "rejected its input" in results["mismatch"], results["mismatch"]
+        assert torch.equal(results["after"], torch.full((2,), float(world)))
+        assert results["routes"]["gather"] == {"engine": 4, "gloo": 0}, results["routes"]
+        assert results["routes"]["scatter"] == {"engine": 5, "gloo": 0}, results["routes"]
