@@ -558,11 +558,16 @@ std::string ShmEngine::describe() const {
   std::ostringstream out;
   const ShmAllreduce& shm = *queue_->shm;
   out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
-      << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB blocks";
+      << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB steps";
   if (!across_nodes_ && shm.wide_bytes() > shm.block_bytes()) {
     const std::string wide = shm.wide_sizes();
-    out << " (" << (shm.wide_bytes() >> 10) << " KiB for the sizes that go faster so, now "
-        << (wide.empty() ? "none" : wide) << ")";
+    const std::string wide_kib = std::to_string(shm.wide_bytes() >> 10) + " KiB ones";
+    if (shm.steps() == ShmAllreduce::Steps::Timed) {
+      out << " (" << wide_kib << " for the sizes timed faster so: "
+          << (wide.empty() ? "none yet" : wide) << ")";
+    } else if (!wide.empty()) {
+      out << " (" << wide_kib << " for " << wide << ")";
+    }
   }
   out << ", " << kernels().isa << " kernels";
   if (!across_nodes_) {

@@ -328,6 +328,6 @@ def test_narrow_wide_and_timed_steps_give_the_same_bits_and_agree(world):
     for key, value in prints.items():
         if key[0] != "narrow":
             assert value == prints[("narrow", *key[1:])], key
-    assert "64 KiB blocks (256 KiB for the sizes that go faster so, now " in described
+    assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described
     for other in runs[1:]:
         assert other == runs[0]
