@@ -625,7 +625,15 @@ c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
                                                const c10d::ReduceOptions& opts) {
-  return on_gloo("reduce", gloo_->reduce(tensors, opts));
+  require(tensors.size() == 1, "ddpx: reduce takes one CPU tensor");
+  const at::Tensor& t = tensors[0];
+  const int root = int(opts.rootRank);
+  if (!local() || t.layout() != at::kStrided || root < 0 || root >= getSize()) {
+    return on_gloo("reduce", gloo_->reduce(tensors, opts));
+  }
+  // The all-reduce, whose result the other ranks drop: their tensors keep their values.
+  const at::Tensor data = getRank() == root ? t : t.clone();
+  return on_engine("reduce", opts.asyncOp, tensors, {allreduce_step(data, opts.reduceOp)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,

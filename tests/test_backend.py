@@ -44,8 +44,8 @@ FEW_MB = 1_000_003  # elements: 4 MB of float32 per rank
 ENGINE_ROUTES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                  "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_reduce_coalesced",
                  "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-                 "all_to_all", "gather", "scatter")
-GLOO_ROUTES = ("send", "recv", "reduce")
+                 "all_to_all", "gather", "scatter", "reduce")
+GLOO_ROUTES = ("send", "recv")
 # Half the smallest subnormal: the absolute rounding error of a result that lands there.
 TINY = {torch.float32: 2.0**-150, torch.float64: 0.0, torch.bfloat16: 2.0**-134,
         torch.float16: 2.0**-25}

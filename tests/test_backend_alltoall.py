@@ -1,4 +1,5 @@
-"""all_to_all and all_to_all_single on the ddpx backend, through shared memory: the bytes gloo
+"""all_to_all, all_to_all_single and the rooted collectives on the ddpx backend, through shared
+memory. all_to_all: the bytes gloo
 moves, with equal parts, uneven splits (empty parts included) and parts of many steps; and what
 gloo cannot do, checked against the parts expected: parts of different sizes in the list form,
 the input as the output, and an error on every rank for splits that do not match."""
@@ -108,6 +109,11 @@ def _gather_scatter(rank, world):
             got = torch.empty(rows, 3)
             dist.scatter(got, parts if rank == root else None, src=root)
             results[("scatter", root, rows)] = got
+        # reduce: the root gets the all-reduce's result; the others keep their tensors.
+        for op, dtype in ((dist.ReduceOp.SUM, torch.float32), (dist.ReduceOp.MAX, torch.int64)):
+            t = (torch.arange(10) * (rank + 1) % 7).to(dtype)
+            dist.reduce(t, dst=root, op=op)
+            results[("reduce", root, str(op))] = t
     # The root's parts of the wrong size: an error on every rank, and the group stays usable.
     try:
         got = torch.empty(4, 3)
@@ -124,9 +130,11 @@ def _gather_scatter(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gather_and_scatter_on_the_engine(world):
+def test_gather_scatter_and_reduce_on_the_engine(world):
     """gather and scatter, to and from the first and the last rank, one step and many: the
-    parts expected, on the engine; parts of the wrong size are an error on every rank."""
+    parts expected, on the engine; parts of the wrong size are an error on every rank. reduce
+    (a float sum, an integer max): the root gets the exact result, the others keep their
+    tensors."""
     runs = run_ranks(_gather_scatter, world, backend="ddpx")
     for rank, results in enumerate(runs):
         for root in (0, world - 1):
@@ -137,8 +145,16 @@ def test_gather_and_scatter_on_the_engine(world):
                     assert torch.equal(results[("gather", root, rows)], expected)
                 assert torch.equal(results[("scatter", root, rows)],
                                    _payload(root, rank, rows, torch.float32))
+            inputs = [torch.arange(10) * (r + 1) % 7 for r in range(world)]
+            reduced = {"SUM": sum(inputs).float(), "MAX": torch.stack(inputs).max(0).values}
+            for op, expected in reduced.items():
+                got = results[("reduce", root, f"RedOpType.{op}")]
+                if rank != root:
+                    expected = inputs[rank].to(expected.dtype)
+                assert torch.equal(got, expected), (rank, root, op)
         assert "needs parts of one size" in results["mismatch"] or \
             "rejected its input" in results["mismatch"], results["mismatch"]
         assert torch.equal(results["after"], torch.full((2,), float(world)))
         assert results["routes"]["gather"] == {"engine": 4, "gloo": 0}, results["routes"]
         assert results["routes"]["scatter"] == {"engine": 5, "gloo": 0}, results["routes"]
+        assert results["routes"]["reduce"] == {"engine": 4, "gloo": 0}, results["routes"]
