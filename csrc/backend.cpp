@@ -322,12 +322,20 @@ std::string Backend::describe() const {
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
+                                                  std::chrono::milliseconds timeout,
                                                   std::vector<at::Tensor> outputs,
                                                   std::vector<Step> steps) {
   count(name, kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
-  auto run_all = [outputs = c10::List<at::Tensor>(outputs),
-                  steps = std::move(steps)](ShmAllreduce& shm) {
+  // The call's own timeout (unset: the group's) bounds its waits.
+  if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
+  auto run_all = [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps),
+                  timeout](ShmAllreduce& shm) {
+    struct CallTimeout {
+      ShmAllreduce& shm;
+      ~CallTimeout() { shm.set_call_timeout(std::chrono::milliseconds(0)); }
+    } reset{shm};
+    shm.set_call_timeout(timeout);
     for (const Step& step : steps) step(shm);
     return c10::IValue(outputs);
   };
@@ -485,7 +493,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
   if (t.layout() == at::kStrided && engine_ && (local() || kernel_sum(t, opts.reduceOp))) {
-    return on_engine("all_reduce", opts.asyncOp, tensors, {allreduce_step(t, opts.reduceOp)});
+    return on_engine("all_reduce", opts.asyncOp, opts.timeout, tensors, {allreduce_step(t, opts.reduceOp)});
   }
   return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
 }
@@ -503,7 +511,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
   if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   std::vector<Step> steps;
   for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
-  return on_engine("all_reduce_coalesced", opts.asyncOp, tensors, std::move(steps));
+  return on_engine("all_reduce_coalesced", opts.asyncOp, opts.timeout, tensors, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
@@ -512,7 +520,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   if (!local()) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
-  return on_engine("broadcast", opts.asyncOp, tensors, {[tensor, root](ShmAllreduce& shm) {
+  return on_engine("broadcast", opts.asyncOp, opts.timeout, tensors, {[tensor, root](ShmAllreduce& shm) {
     at::Tensor data = dense(tensor);
     shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(), root,
                   "torch.distributed.broadcast");
@@ -528,7 +536,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const std::vector<at::Tensor> outs = outputs[0];
   const at::Tensor input = inputs[0];
   const int world = getSize();
-  return on_engine("all_gather", opts.asyncOp, outs, {[outs, input, world](ShmAllreduce& shm) {
+  return on_engine("all_gather", opts.asyncOp, opts.timeout, outs, {[outs, input, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.all_gather";
     const std::string why = list_error(outs, input, world, what, "outputs");
     if (!why.empty()) shm.reject(why, what);
@@ -550,7 +558,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   if (!local()) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
-  return on_engine("all_gather_into_tensor", opts.asyncOp, {output},
+  return on_engine("all_gather_into_tensor", opts.asyncOp, opts.timeout, {output},
                    {allgather_step(output, input)});
 }
 
@@ -564,7 +572,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
   require(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
   std::vector<Step> steps;
   for (size_t i = 0; i < inputs.size(); ++i) steps.push_back(allgather_step(outputs[i], inputs[i]));
-  return on_engine("all_gather_into_tensor_coalesced", opts.asyncOp, outputs, std::move(steps));
+  return on_engine("all_gather_into_tensor_coalesced", opts.asyncOp, opts.timeout, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
@@ -582,7 +590,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", opts.asyncOp, outputs,
+  return on_engine("reduce_scatter", opts.asyncOp, opts.timeout, outputs,
                    {[output, ins, op, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
     const std::string why = list_error(ins, output, world, what, "inputs");
@@ -596,7 +604,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
   if (!local()) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
-  return on_engine("reduce_scatter_tensor", opts.asyncOp, {output},
+  return on_engine("reduce_scatter_tensor", opts.asyncOp, opts.timeout, {output},
                    {reduce_scatter_step(output, input, opts.reduceOp)});
 }
 
@@ -612,12 +620,12 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     steps.push_back(reduce_scatter_step(outputs[i], inputs[i], opts.reduceOp));
   }
-  return on_engine("reduce_scatter_tensor_coalesced", opts.asyncOp, outputs, std::move(steps));
+  return on_engine("reduce_scatter_tensor_coalesced", opts.asyncOp, opts.timeout, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
-  return on_engine("barrier", opts.asyncOp, {}, {[](ShmAllreduce& shm) {
+  return on_engine("barrier", opts.asyncOp, opts.timeout, {}, {[](ShmAllreduce& shm) {
     const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
     shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
   }});
@@ -633,7 +641,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   }
   // The all-reduce, whose result the other ranks drop: their tensors keep their values.
   const at::Tensor data = getRank() == root ? t : t.clone();
-  return on_engine("reduce", opts.asyncOp, tensors, {allreduce_step(data, opts.reduceOp)});
+  return on_engine("reduce", opts.asyncOp, opts.timeout, tensors, {allreduce_step(data, opts.reduceOp)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -648,7 +656,7 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
   std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
   ins[size_t(root)] = inputs[0];
   if (me == root) outs = outputs[0];
-  return on_engine("gather", opts.asyncOp, me == root ? outputs[0] : std::vector<at::Tensor>{},
+  return on_engine("gather", opts.asyncOp, opts.timeout, me == root ? outputs[0] : std::vector<at::Tensor>{},
                    {alltoall_step(outs, ins, true, "torch.distributed.gather")});
 }
 
@@ -664,7 +672,7 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
   if (me == root) ins = inputs[0];
   outs[size_t(root)] = outputs[0];
-  return on_engine("scatter", opts.asyncOp, outputs,
+  return on_engine("scatter", opts.asyncOp, opts.timeout, outputs,
                    {alltoall_step(outs, ins, true, "torch.distributed.scatter")});
 }
 
@@ -705,7 +713,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
   };
   require(input.is_contiguous() && output.is_contiguous(),
           "ddpx: " + what + " takes contiguous tensors");
-  return on_engine("all_to_all_single", opts.asyncOp, {output},
+  return on_engine("all_to_all_single", opts.asyncOp, opts.timeout, {output},
                    {alltoall_step(parts(output, output_splits, "output"),
                                   parts(input, input_splits, "input"), equal, what)});
 }
@@ -722,7 +730,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
   if (!local() || int(inputs.size()) != world || int(outputs.size()) != world || !same_dtype) {
     return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
   }
-  return on_engine("all_to_all", opts.asyncOp, outputs,
+  return on_engine("all_to_all", opts.asyncOp, opts.timeout, outputs,
                    {alltoall_step(outputs, inputs, false, "torch.distributed.all_to_all")});
 }
 

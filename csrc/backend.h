@@ -93,6 +93,7 @@ class Backend final : public c10d::Backend {
   // Runs steps in order on the engine's thread (on this one once the engine is idle, for a
   // caller that waits at once: !async); the work completes with outputs after the last.
   c10::intrusive_ptr<c10d::Work> on_engine(const char* name, bool async,
+                                           std::chrono::milliseconds timeout,
                                            std::vector<at::Tensor> outputs,
                                            std::vector<Step> steps);
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);

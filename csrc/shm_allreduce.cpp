@@ -549,7 +549,8 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
   } else if (spin_while_running(phase, step, start)) {
     return;
   }
-  const auto deadline = start + timeout_;
+  const auto timeout = call_timeout_.count() > 0 ? call_timeout_ : timeout_;
+  const auto deadline = start + timeout;
   const uint64_t my_ns = control_[me_].pid_ns;
   while (true) {
     check_not_aborted();
@@ -586,10 +587,11 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
     if (WaitClock::now() >= deadline) {
       std::ostringstream names;
       for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
-      const auto secs = std::chrono::duration<double>(timeout_).count();
-      fail("ddpx: " + rank_name(me_) + " timed out after " + std::to_string(secs) +
-           " s waiting for rank(s) " + names.str() + " to " + doing + " " + what + " (step " +
-           std::to_string(step) + "); raise the timeout if a peer can be this slow");
+      std::ostringstream secs;
+      secs << std::chrono::duration<double>(timeout).count();
+      fail("ddpx: " + rank_name(me_) + " timed out after " + secs.str() + " s waiting for rank(s) " +
+           names.str() + " to " + doing + " " + what + " (step " + std::to_string(step) +
+           "); raise the timeout if a peer can be this slow");
     }
   }
 }

@@ -165,6 +165,9 @@ class ShmAllreduce {
   // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
   std::string wait_policy() const;
 
+  // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).
+  void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
+
   int local_size() const { return layout_.nranks; }
   int local_rank() const { return me_; }
   size_t block_bytes() const { return layout_.block_bytes; }
@@ -242,6 +245,7 @@ class ShmAllreduce {
   std::vector<int> ranks_;
   std::atomic<size_t> one_shot_bytes_;
   std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds call_timeout_{0};
   Header* header_;
   RankControl* control_;
   char* data_;

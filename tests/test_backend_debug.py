@@ -90,3 +90,37 @@ def test_point_to_point_works_have_futures():
             assert single == [0.0] * 6 and values == [[v + 0.0 for v in range(6)]]
         else:
             assert single == peer_values and values == [peer_values]
+
+
+def _call_timeout(rank, world):
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    t = torch.ones(8)
+    if rank == 0:
+        opts = dist.AllreduceOptions()
+        opts.timeout = timedelta(seconds=0.5)
+        start = time.monotonic()
+        try:
+            backend.allreduce([t], opts).wait()
+            return "no error", None
+        except RuntimeError as error:
+            return str(error), time.monotonic() - start
+    time.sleep(3)  # late to the call: rank 0's own timeout ends its wait
+    try:
+        dist.all_reduce(t)
+        return "no error", None
+    except RuntimeError as error:
+        return str(error), None
+
+
+def test_a_call_s_own_timeout_bounds_its_waits():
+    """AllreduceOptions.timeout (0.5 s) ends rank 0's wait for a peer 3 s late, long before
+    the group's 60 s; the late peer then gets an error, not a hang."""
+    (first, waited), (second, _) = run_ranks(_call_timeout, 2, backend="ddpx", group_timeout=60)
+    assert "rank 0 timed out after 0.5 s waiting for rank(s) 1" in first, first
+    assert waited < 30, waited
+    assert second != "no error"
