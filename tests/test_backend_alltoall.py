@@ -21,6 +21,22 @@ def _splits(world, rank):
     return [(rank + d) % 3 for d in range(world)]
 
 
+def _refused_then_usable(call) -> dict:
+    """What `call`, which every rank must refuse, raised ("mismatch"); an all-reduce after it
+    ("after"); the backend's routes."""
+    import torch.distributed as dist
+
+    try:
+        call()
+        mismatch = "no error"
+    except (RuntimeError, ValueError) as error:
+        mismatch = str(error)
+    after = torch.ones(4)
+    dist.all_reduce(after)
+    routes = dist.group.WORLD._get_backend(torch.device("cpu")).routes()
+    return {"mismatch": mismatch, "after": after, "routes": routes}
+
+
 def _all_to_all(rank, world, ddpx_only):
     """ddpx_only: also the calls gloo refuses or mishandles (parts of different sizes in the
     list form, which gloo refuses; splits that do not match)."""
@@ -57,19 +73,10 @@ def _all_to_all(rank, world, ddpx_only):
     dist.all_to_all(outs, ins)
     results["uneven list"] = torch.cat(outs)
     # Splits that do not match: an error on every rank, and the group stays usable.
-    try:
-        wrong = [s + (1 if rank == 0 else 0) for s in receives]
-        dist.all_to_all_single(torch.empty(sum(wrong), 3), torch.empty(sum(sends), 3),
-                               output_split_sizes=wrong, input_split_sizes=sends)
-        results["mismatch"] = "no error"
-    except (RuntimeError, ValueError) as error:
-        results["mismatch"] = str(error)
-    after = torch.ones(4)
-    dist.all_reduce(after)
-    results["after"] = after
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    results["routes"] = backend.routes() if hasattr(backend, "routes") else None
-    return results
+    wrong = [s + (1 if rank == 0 else 0) for s in receives]
+    return {**results, **_refused_then_usable(
+        lambda: dist.all_to_all_single(torch.empty(sum(wrong), 3), torch.empty(sum(sends), 3),
+                                       output_split_sizes=wrong, input_split_sizes=sends))}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -115,18 +122,9 @@ def _gather_scatter(rank, world):
             dist.reduce(t, dst=root, op=op)
             results[("reduce", root, str(op))] = t
     # The root's parts of the wrong size: an error on every rank, and the group stays usable.
-    try:
-        got = torch.empty(4, 3)
-        parts = [torch.zeros(4 + (d == 1), 3) for d in range(world)]
-        dist.scatter(got, parts if rank == 0 else None, src=0)
-        results["mismatch"] = "no error"
-    except (RuntimeError, ValueError) as error:
-        results["mismatch"] = str(error)
-    after = torch.ones(2)
-    dist.all_reduce(after)
-    results["after"] = after
-    results["routes"] = dist.group.WORLD._get_backend(torch.device("cpu")).routes()
-    return results
+    parts = [torch.zeros(4 + (d == 1), 3) for d in range(world)]
+    return {**results, **_refused_then_usable(
+        lambda: dist.scatter(torch.empty(4, 3), parts if rank == 0 else None, src=0))}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -154,7 +152,7 @@ def test_gather_scatter_and_reduce_on_the_engine(world):
                 assert torch.equal(got, expected), (rank, root, op)
         assert "needs parts of one size" in results["mismatch"] or \
             "rejected its input" in results["mismatch"], results["mismatch"]
-        assert torch.equal(results["after"], torch.full((2,), float(world)))
+        assert torch.equal(results["after"], torch.full((4,), float(world)))
         assert results["routes"]["gather"] == {"engine": 4, "gloo": 0}, results["routes"]
         assert results["routes"]["scatter"] == {"engine": 5, "gloo": 0}, results["routes"]
         assert results["routes"]["reduce"] == {"engine": 4, "gloo": 0}, results["routes"]
