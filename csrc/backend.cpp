@@ -84,7 +84,9 @@ class CoalescedWork final : public c10d::Work {
       : Work(-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
 
   bool isCompleted() override {
-    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); });
+    return std::all_of(works_.begin(), works_.end(), [](const auto& w) {
+      return w->isCompleted();
+    });
   }
   bool isSuccess() const override {
     return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isSuccess(); });
@@ -327,7 +329,6 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
                                                   std::vector<Step> steps) {
   count(name, kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
-  // The call's own timeout (unset: the group's) bounds its waits.
   if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
   auto run_all = [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps),
                   timeout](ShmAllreduce& shm) {
@@ -430,9 +431,7 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
   return [outs = std::move(outs), ins = std::move(ins), equal_parts,
           what = std::move(what)](ShmAllreduce& shm) {
     const int n = shm.local_size(), me = shm.local_rank();
-    const auto bytes = [](const at::Tensor& t) {
-      return t.defined() ? size_t(t.numel()) * t.element_size() : size_t(0);
-    };
+    const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.nbytes() : size_t(0); };
     const auto where = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
     std::vector<at::Tensor> dense_outs, dense_ins;
     for (const auto& out : outs) dense_outs.push_back(out.defined() ? dense(out) : out);
@@ -488,12 +487,31 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
   };
 }
 
+bool Backend::rooted_shape(const std::vector<at::Tensor>& mine,
+                           const std::vector<std::vector<at::Tensor>>& lists, int root) const {
+  const int world = getSize();
+  if (mine.size() != 1 || root < 0 || root >= world) return false;
+  if (getRank() == root) return lists.size() == 1 && int(lists[0].size()) == world;
+  return lists.empty() || lists[0].empty();
+}
+
+Backend::Step Backend::rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list,
+                                   int root, bool to_root, std::string what) const {
+  const size_t world = size_t(getSize());
+  // mine goes to or comes from the root only; the root's list has a part for every rank.
+  std::vector<at::Tensor> with_root(world), with_all = list;
+  with_root[size_t(root)] = mine;
+  with_all.resize(world);
+  return to_root ? alltoall_step(with_all, with_root, true, std::move(what))
+                 : alltoall_step(with_root, with_all, true, std::move(what));
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) {
   require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
   if (t.layout() == at::kStrided && engine_ && (local() || kernel_sum(t, opts.reduceOp))) {
-    return on_engine("all_reduce", opts.asyncOp, opts.timeout, tensors, {allreduce_step(t, opts.reduceOp)});
+    return on_engine("all_reduce", opts, tensors, {allreduce_step(t, opts.reduceOp)});
   }
   return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
 }
@@ -511,7 +529,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
   if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   std::vector<Step> steps;
   for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
-  return on_engine("all_reduce_coalesced", opts.asyncOp, opts.timeout, tensors, std::move(steps));
+  return on_engine("all_reduce_coalesced", opts, tensors, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
@@ -520,7 +538,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   if (!local()) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
-  return on_engine("broadcast", opts.asyncOp, opts.timeout, tensors, {[tensor, root](ShmAllreduce& shm) {
+  return on_engine("broadcast", opts, tensors, {[tensor, root](ShmAllreduce& shm) {
     at::Tensor data = dense(tensor);
     shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(), root,
                   "torch.distributed.broadcast");
@@ -536,7 +554,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const std::vector<at::Tensor> outs = outputs[0];
   const at::Tensor input = inputs[0];
   const int world = getSize();
-  return on_engine("all_gather", opts.asyncOp, opts.timeout, outs, {[outs, input, world](ShmAllreduce& shm) {
+  return on_engine("all_gather", opts, outs, {[outs, input, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.all_gather";
     const std::string why = list_error(outs, input, world, what, "outputs");
     if (!why.empty()) shm.reject(why, what);
@@ -558,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   if (!local()) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
-  return on_engine("all_gather_into_tensor", opts.asyncOp, opts.timeout, {output},
+  return on_engine("all_gather_into_tensor", opts, {output},
                    {allgather_step(output, input)});
 }
 
@@ -572,7 +590,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
   require(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
   std::vector<Step> steps;
   for (size_t i = 0; i < inputs.size(); ++i) steps.push_back(allgather_step(outputs[i], inputs[i]));
-  return on_engine("all_gather_into_tensor_coalesced", opts.asyncOp, opts.timeout, outputs, std::move(steps));
+  return on_engine("all_gather_into_tensor_coalesced", opts, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
@@ -590,7 +608,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", opts.asyncOp, opts.timeout, outputs,
+  return on_engine("reduce_scatter", opts, outputs,
                    {[output, ins, op, world](ShmAllreduce& shm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
     const std::string why = list_error(ins, output, world, what, "inputs");
@@ -604,7 +622,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
   if (!local()) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
-  return on_engine("reduce_scatter_tensor", opts.asyncOp, opts.timeout, {output},
+  return on_engine("reduce_scatter_tensor", opts, {output},
                    {reduce_scatter_step(output, input, opts.reduceOp)});
 }
 
@@ -620,12 +638,12 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     steps.push_back(reduce_scatter_step(outputs[i], inputs[i], opts.reduceOp));
   }
-  return on_engine("reduce_scatter_tensor_coalesced", opts.asyncOp, opts.timeout, outputs, std::move(steps));
+  return on_engine("reduce_scatter_tensor_coalesced", opts, outputs, std::move(steps));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
-  return on_engine("barrier", opts.asyncOp, opts.timeout, {}, {[](ShmAllreduce& shm) {
+  return on_engine("barrier", opts, {}, {[](ShmAllreduce& shm) {
     const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
     shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
   }});
@@ -641,39 +659,31 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   }
   // The all-reduce, whose result the other ranks drop: their tensors keep their values.
   const at::Tensor data = getRank() == root ? t : t.clone();
-  return on_engine("reduce", opts.asyncOp, opts.timeout, tensors, {allreduce_step(data, opts.reduceOp)});
+  return on_engine("reduce", opts, tensors, {allreduce_step(data, opts.reduceOp)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::GatherOptions& opts) {
-  const int world = getSize(), root = int(opts.rootRank), me = getRank();
-  const bool shaped = inputs.size() == 1 && root >= 0 && root < world &&
-                      (me == root ? outputs.size() == 1 && int(outputs[0].size()) == world
-                                  : outputs.empty() || outputs[0].empty());
-  if (!local() || !shaped) return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
-  // Every rank sends its input to the root only; the root receives a part from each.
-  std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
-  ins[size_t(root)] = inputs[0];
-  if (me == root) outs = outputs[0];
-  return on_engine("gather", opts.asyncOp, opts.timeout, me == root ? outputs[0] : std::vector<at::Tensor>{},
-                   {alltoall_step(outs, ins, true, "torch.distributed.gather")});
+  const int root = int(opts.rootRank);
+  if (!local() || !rooted_shape(inputs, outputs, root)) {
+    return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
+  }
+  const std::vector<at::Tensor> list = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
+  return on_engine("gather", opts, list,
+                   {rooted_step(inputs[0], list, root, true, "torch.distributed.gather")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ScatterOptions& opts) {
-  const int world = getSize(), root = int(opts.rootRank), me = getRank();
-  const bool shaped = outputs.size() == 1 && root >= 0 && root < world &&
-                      (me == root ? inputs.size() == 1 && int(inputs[0].size()) == world
-                                  : inputs.empty() || inputs[0].empty());
-  if (!local() || !shaped) return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
-  // The root sends a part to every rank; each receives from the root only.
-  std::vector<at::Tensor> ins(static_cast<size_t>(world)), outs(static_cast<size_t>(world));
-  if (me == root) ins = inputs[0];
-  outs[size_t(root)] = outputs[0];
-  return on_engine("scatter", opts.asyncOp, opts.timeout, outputs,
-                   {alltoall_step(outs, ins, true, "torch.distributed.scatter")});
+  const int root = int(opts.rootRank);
+  if (!local() || !rooted_shape(outputs, inputs, root)) {
+    return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
+  }
+  const std::vector<at::Tensor> list = getRank() == root ? inputs[0] : std::vector<at::Tensor>{};
+  return on_engine("scatter", opts, outputs,
+                   {rooted_step(outputs[0], list, root, false, "torch.distributed.scatter")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -713,7 +723,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
   };
   require(input.is_contiguous() && output.is_contiguous(),
           "ddpx: " + what + " takes contiguous tensors");
-  return on_engine("all_to_all_single", opts.asyncOp, opts.timeout, {output},
+  return on_engine("all_to_all_single", opts, {output},
                    {alltoall_step(parts(output, output_splits, "output"),
                                   parts(input, input_splits, "input"), equal, what)});
 }
@@ -722,15 +732,15 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::AllToAllOptions& opts) {
   const int world = getSize();
-  const bool same_dtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
-    return t.scalar_type() == inputs[0].scalar_type();
-  }) && std::all_of(outputs.begin(), outputs.end(), [&](const at::Tensor& t) {
-    return t.scalar_type() == inputs[0].scalar_type();
-  });
-  if (!local() || int(inputs.size()) != world || int(outputs.size()) != world || !same_dtype) {
+  const auto other_dtype = [&](const at::Tensor& t) {
+    return t.scalar_type() != inputs[0].scalar_type();
+  };
+  if (!local() || int(inputs.size()) != world || int(outputs.size()) != world ||
+      std::any_of(inputs.begin(), inputs.end(), other_dtype) ||
+      std::any_of(outputs.begin(), outputs.end(), other_dtype)) {
     return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
   }
-  return on_engine("all_to_all", opts.asyncOp, opts.timeout, outputs,
+  return on_engine("all_to_all", opts, outputs,
                    {alltoall_step(outputs, inputs, false, "torch.distributed.all_to_all")});
 }
 

@@ -96,6 +96,14 @@ class Backend final : public c10d::Backend {
                                            std::chrono::milliseconds timeout,
                                            std::vector<at::Tensor> outputs,
                                            std::vector<Step> steps);
+  // The same, with the call's options: their asyncOp, and their timeout (kUnsetTimeout: the
+  // group's) for every wait of the steps.
+  template <class Options>
+  c10::intrusive_ptr<c10d::Work> on_engine(const char* name, const Options& opts,
+                                           std::vector<at::Tensor> outputs,
+                                           std::vector<Step> steps) {
+    return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(steps));
+  }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
   void count(const char* name, Path path);
   bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
@@ -107,6 +115,13 @@ class Backend final : public c10d::Backend {
   // rank's parts are all the same size, which the ranks need not trade first.
   static Step alltoall_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins,
                             bool equal_parts, std::string what);
+  // gather and scatter: whether this rank has one tensor and, at the root, a list of one part
+  // per rank (elsewhere none); and the all-to-all where this rank's tensor goes to the root
+  // (to_root) or comes from it, and the root's list holds every rank's part.
+  bool rooted_shape(const std::vector<at::Tensor>& mine,
+                    const std::vector<std::vector<at::Tensor>>& lists, int root) const;
+  Step rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
+                   bool to_root, std::string what) const;
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<ShmEngine> engine_;

@@ -407,8 +407,7 @@ std::string invalid_input(const at::Tensor& input, const Request& request,
   } else if (!to_dtype(tensor.scalar_type())) {
     why << "ddpx: " << request.what << " has dtype " << dtype_name(tensor.scalar_type())
         << "; ddpx reduces float32, float64, bfloat16, float16 and complex64/128 (use "
-           "torch.distributed.all_reduce "
-           "for other dtypes)";
+           "torch.distributed.all_reduce for other dtypes)";
   } else if (request.wire && !to_dtype(*request.wire)) {
     why << "ddpx: compression to " << dtype_name(*request.wire) << " is not supported";
   } else if (request.wire && *request.wire != tensor.scalar_type()) {

@@ -589,9 +589,9 @@ void ShmAllreduce::wait_all(Phase phase, uint64_t step, const std::string& what)
       for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
       std::ostringstream secs;
       secs << std::chrono::duration<double>(timeout).count();
-      fail("ddpx: " + rank_name(me_) + " timed out after " + secs.str() + " s waiting for rank(s) " +
-           names.str() + " to " + doing + " " + what + " (step " + std::to_string(step) +
-           "); raise the timeout if a peer can be this slow");
+      fail("ddpx: " + rank_name(me_) + " timed out after " + secs.str() +
+           " s waiting for rank(s) " + names.str() + " to " + doing + " " + what + " (step " +
+           std::to_string(step) + "); raise the timeout if a peer can be this slow");
     }
   }
 }
