@@ -277,6 +277,7 @@ def test_ranks_with_different_hook_settings_raise_ranks_disagree_on_every_rank()
 # 4. /dev/shm too small, for real
 
 SMALL_SHM = """
+    import gc
     import os
     import torch, torch.distributed as dist
     from torch import nn
@@ -309,6 +310,8 @@ SMALL_SHM = """
     for a, b in zip(ours, default, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     report.write("SAME PARAMETERS\\n")
+    gc.collect()  # the models' reducers go before the group: see tests/test_trainers.py
+    dist.destroy_process_group()
 """
 
 UNSHARE = ("unshare", "--mount", "--propagation", "private", "sh", "-c",

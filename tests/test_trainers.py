@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("lightning")
 
 JOB = '''
+import gc
 import sys
 
 import lightning as L
@@ -52,11 +53,16 @@ trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5
                     enable_model_summary=False, callbacks=[hook] if mode == "callback" else [])
 trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
 if trainer.global_rank == 0:
-    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "backend": dist.get_backend(),
-                "routes": backend.routes() if mode == "backend" else None,
+                "routes": dist.group.WORLD._get_backend(torch.device("cpu")).routes()
+                if mode == "backend" else None,
                 "hook": hook.state.describe() if hook.state is not None else None}, out)
+# The DDP model goes, then the group: a gloo group alive at interpreter exit can abort the process
+# ("terminate called without an active exception": gloo's thread frees a tensor of Python's).
+del trainer, strategy, model, hook
+gc.collect()
+dist.destroy_process_group()
 '''
 
 
@@ -98,6 +104,7 @@ def test_lightning_with_the_fused_hook_callback(default, tmp_path):
 
 
 LAZY_JOB = '''
+import gc
 import sys
 
 import torch
@@ -123,6 +130,8 @@ for _ in range(5):
 if dist.get_rank() == 0:
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "hook": state.describe() if mode == "lazy" else None}, out)
+del model, optimizer
+gc.collect()
 dist.destroy_process_group()
 '''
 
@@ -135,6 +144,7 @@ def test_a_hook_state_made_before_the_process_group_binds_at_the_first_bucket(tm
 
 
 HF_JOB = '''
+import gc
 import sys
 
 import torch
@@ -183,6 +193,9 @@ if dist.get_rank() == 0:
                 "routes": dist.group.WORLD._get_backend(torch.device("cpu")).routes()
                 if mode != "default" else None,
                 "hook": hook.state.describe() if hook is not None else None}, out)
+del trainer, model, hook
+gc.collect()
+dist.destroy_process_group()
 '''
 
 
