@@ -8,9 +8,8 @@ Every collective a job issues, not only DDP's buckets, then runs on the node's s
 engine (csrc/backend.cpp says which go where), 16-bit floats summed in float32 and rounded once
 (gloo rounds after every addition). Each group
 holds its own engine, made collectively when the group is made, and an inner gloo of the same
-ranks for what the engine does not serve. ``group._get_backend(torch.device("cpu"))`` is the
-backend: ``describe()`` says which path serves it, ``routes()`` counts each collective's calls
-by path.
+ranks for what the engine does not serve. ``ddpx.backend_of(group)`` is the backend:
+``describe()`` says which path serves it, ``routes()`` counts each collective's calls by path.
 """
 
 from __future__ import annotations
@@ -19,12 +18,17 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo
+from torch._C._distributed_c10d import (
+    PrefixStore,
+    ProcessGroup,
+    ProcessGroupGloo,
+    _ProcessGroupWrapper,
+)
 
 from ddpx._ext import extension
-from ddpx.engine import _Meeting, create_node_engine, lane_groups
+from ddpx.engine import _Meeting, create_node_engine, lane_groups, resolve_group
 
-__all__ = ["NAME"]
+__all__ = ["NAME", "backend_of"]
 
 NAME = "ddpx"
 logger = logging.getLogger("ddpx")
@@ -64,3 +68,18 @@ def register() -> None:
     """Registers the backend with torch.distributed, once per process."""
     if not hasattr(dist.Backend, NAME.upper()):
         dist.Backend.register_backend(NAME, _create_backend, extended_api=True, devices=["cpu"])
+
+
+def backend_of(group=None):
+    """The ddpx backend that serves ``group``'s CPU tensors (default: the world group), for
+    ``describe()`` (which path serves it) and ``routes()`` (each collective's calls by path)."""
+    group = resolve_group(group)
+    backend = group._get_backend(torch.device("cpu"))
+    if isinstance(backend, _ProcessGroupWrapper):  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checks
+        backend = backend.wrapped_pg
+    if not isinstance(backend, extension().Backend):
+        raise ValueError(
+            f"ddpx: this group's CPU tensors go to {dist.get_backend(group)!r}, not to ddpx: make "
+            "the group with init_process_group('ddpx') or new_group(..., backend='ddpx')"
+        )
+    return backend

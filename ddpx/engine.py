@@ -32,20 +32,23 @@ logger = logging.getLogger("ddpx")
 
 _SHM_DIR = "/dev/shm"
 _SEGMENT_PREFIX = "ddpx-"
-# Measured on 2 cores with 2 and 4 ranks (README): 256 KiB blocks keep a step's slots in the
-# last-level cache. Wide blocks, 16 times fewer, are there for engine.steps "wide" and "timed"
-# (docs/under-load.md).
+# Measured on 2 cores with 2 and 4 ranks (docs/under-load.md): 256 KiB blocks keep a step's
+# slots in the last-level cache. Wide blocks, 16 times fewer, are there for engine.steps "wide"
+# and "timed".
 _BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
 _WIDE_KB = int(os.environ.get("DDPX_WIDE_KB", "4096"))
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
 # each with a second exchange (two-phase): above 32 KiB, narrow two-phase steps were the fastest
 # schedule here idle and busy, in every launch measured (docs/under-load.md).
 _ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "32"))
-# Across nodes (README, "Across a network"): slices cross in chunks of this much of the message,
-# taking turns on this many lanes (two process groups each), so the link never waits for the node.
+# Across nodes (docs/benchmarks.md, "Across a network"): slices cross in chunks of this much of
+# the message, taking turns on this many lanes (two process groups each), so the link never waits
+# for the node.
 _CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))
 _CROSS_LANES = int(os.environ.get("DDPX_CROSS_LANES", "1"))
-_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "bfloat16": torch.bfloat16, "float16": torch.float16,
+                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 
 # group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
 # alive (with its threads) by ddpx until interpreter exit.
@@ -58,16 +61,17 @@ def cross_chunk_bytes() -> int:
     return _CROSS_CHUNK_KB * 1024
 
 
-def wire_dtype(compression: str | None) -> torch.dtype | None:
+def wire_dtype(compression: str | torch.dtype | None) -> torch.dtype | None:
     """The dtype gradients travel in for a ``compression`` setting (None: their own)."""
     if compression not in _COMPRESSION:
         raise ValueError(
-            f"ddpx: compression={compression!r} is not one of None, 'bf16', 'fp16'"
+            f"ddpx: compression={compression!r} is not one of None, 'bf16' ('bfloat16', "
+            "torch.bfloat16), 'fp16' ('float16', torch.float16)"
         )
     return _COMPRESSION[compression]
 
 
-def _resolve_group(group):
+def resolve_group(group):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ddpx: torch.distributed is not initialized: call "
@@ -295,7 +299,7 @@ def _create_engine(group, timeout: timedelta | None):
 def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):
     """The engine that reduces ``device`` tensors over ``group`` (default: the world), made
     collectively by every rank of the group on first use."""
-    group = _resolve_group(group)
+    group = resolve_group(group)
     by_device = _engines.setdefault(group, {})
     if device not in by_device:
         if device == "cpu":
@@ -321,7 +325,7 @@ def _shutdown() -> None:
 
 
 def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
-               compression: str | None = None) -> torch.Tensor:
+               compression: str | torch.dtype | None = None) -> torch.Tensor:
     """Sums ``tensor`` in place over ``group`` (averages with ``average=True``) and returns it.
 
     Blocking, and collective: every rank of the group calls it with the same size and dtype.
@@ -367,7 +371,7 @@ def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
     """torch.ops.ddpx.all_reduce_'s group name and scale for a call traced by torch.compile: run
     once, while tracing (on every rank, so the engine is made collectively), not in the graph."""
     engine_for(group, device)
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     return pg.group_name, 1.0 / pg.size() if average else 1.0
 
 

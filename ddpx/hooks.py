@@ -23,7 +23,7 @@ class FusedHookState:
 
     __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine")
 
-    def __init__(self, process_group=None, compression: str | None = None, *,
+    def __init__(self, process_group=None, compression: str | torch.dtype | None = None, *,
                  device: str = "cpu", timeout: timedelta | None = None):
         self.wire = wire_dtype(compression)
         self.compression = compression
@@ -74,7 +74,7 @@ def fused_allreduce_hook(
 
 
 def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=None,
-                        compression: str | None = None,
+                        compression: str | torch.dtype | None = None,
                         timeout: timedelta | None = None) -> FusedHookState:
     """Registers ddpx's C++ communication hook on ``ddp_model``: DDP passes each gradient bucket
     to it on the autograd thread, with no Python on that path. ``process_group`` defaults to the

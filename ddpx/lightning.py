@@ -16,6 +16,7 @@ And every collective of the job on ddpx's backend: ``DDPStrategy(process_group_b
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,7 +30,7 @@ class FusedHook(Callback):
     DDP strategy wrapped, before the first backward; ``compression`` as there. With one process
     (no DDP wrapper) there is nothing to register."""
 
-    def __init__(self, compression: str | None = None):
+    def __init__(self, compression: str | torch.dtype | None = None):
         self.compression = compression
         self.state = None
 

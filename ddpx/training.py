@@ -25,7 +25,7 @@ __all__ = [
     "whole_lines",
 ]
 
-COMM_HOOKS = ("ddpx", "default", "fp16")
+COMM_HOOKS = ("ddpx", "ddpx-bf16", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
 
 
@@ -86,7 +86,7 @@ def run_summary(accelerator: Accelerator) -> str:
 
 
 def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
-    """Register the comm hook `name` ("ddpx", "default" or "fp16") on a DDP model.
+    """Register the comm hook `name` (one of COMM_HOOKS) on a DDP model.
 
     Returns a line naming the communication path in use. A model that is not wrapped in DDP (one
     process: Accelerate does not wrap it) exchanges no gradients and gets no hook; the line then
@@ -95,8 +95,9 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     if not isinstance(model, DistributedDataParallel):
         return ("none (1 process: no DDP wrapper, no gradients to exchange); "
                 f"2 CPU processes: {_two_process_command()}")
-    if name == "ddpx":
-        return ddpx.register_fused_hook(model).describe()
+    if name in ("ddpx", "ddpx-bf16"):
+        compression = "bf16" if name == "ddpx-bf16" else None
+        return ddpx.register_fused_hook(model, compression=compression).describe()
     if name == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
         return "torch fp16_compress_hook"

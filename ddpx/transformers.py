@@ -16,6 +16,7 @@ the trainer (the Trainer's callbacks see the unwrapped model only):
 
 from __future__ import annotations
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
@@ -29,7 +30,7 @@ class FusedHook(TrainerCallback):
     wrapped in DDP, when training begins; ``compression`` as there. With one process (no DDP
     wrapper) there is nothing to register; a second train() keeps the first registration."""
 
-    def __init__(self, trainer, compression: str | None = None):
+    def __init__(self, trainer, compression: str | torch.dtype | None = None):
         self.trainer = trainer
         self.compression = compression
         self.state = None

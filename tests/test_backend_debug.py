@@ -124,3 +124,32 @@ def test_a_call_s_own_timeout_bounds_its_waits():
     assert "rank 0 timed out after 0.5 s waiting for rank(s) 1" in first, first
     assert waited < 30, waited
     assert second != "no error"
+
+
+def _backend_of(rank, world):
+    import torch.distributed as dist
+
+    import ddpx
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    pair = dist.new_group([0, 1], backend="ddpx")
+    gloo = dist.new_group([0, 1], backend="gloo")
+    out = {"world": ddpx.backend_of().describe(), "pair": ddpx.backend_of(pair).describe(),
+           "routes": ddpx.backend_of().routes()["all_reduce"]}
+    try:
+        ddpx.backend_of(gloo)
+    except ValueError as error:
+        out["gloo"] = str(error)
+    return out
+
+
+@pytest.mark.parametrize("env", [{}, DETAIL], ids=["plain", "debug-detail"])
+def test_backend_of_reaches_a_groups_ddpx_backend_and_refuses_a_gloo_group(env):
+    for out in run_ranks(_backend_of, 2, backend="ddpx", env=env):
+        assert out["world"].startswith("ddpx shared-memory engine, 2 local ranks"), out
+        assert out["pair"].startswith("ddpx shared-memory engine, 2 local ranks"), out
+        assert out["routes"]["engine"] >= 1 and out["routes"]["gloo"] == 0, out
+        assert out["gloo"] == ("ddpx: this group's CPU tensors go to 'gloo', not to ddpx: make the "
+                               "group with init_process_group('ddpx') or "
+                               "new_group(..., backend='ddpx')"), out

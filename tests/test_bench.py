@@ -478,3 +478,16 @@ def test_accuracy(tmp_path):
             assert row["max_vs_torch"] is row["mean_vs_torch"] is None
     assert "mean vs torch" in stdout
     assert sum(line.split()[:1] in (["2"], ["3"]) for line in stdout.splitlines()) == len(rows)
+
+
+def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
+    from ddpx.bench import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["allreduce", "--plot", "out.png"])
+    assert info.value.code == 2
+    assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+    assert cli.parse_args(["allreduce"]).plot is None

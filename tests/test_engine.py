@@ -331,3 +331,21 @@ def test_narrow_wide_and_timed_steps_give_the_same_bits_and_agree(world):
     assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described
     for other in runs[1:]:
         assert other == runs[0]
+
+
+@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                         (torch.bfloat16, torch.bfloat16), ("fp16", torch.float16),
+                                         ("float16", torch.float16), (torch.float16, torch.float16),
+                                         (None, None)])
+def test_compression_takes_torchs_names_and_dtypes_too(name, dtype):
+    from ddpx.engine import wire_dtype
+
+    assert wire_dtype(name) is dtype
+
+
+@pytest.mark.parametrize("name", ["int8", torch.float32, "bf-16"])
+def test_an_unknown_compression_names_the_ones_there_are(name):
+    from ddpx.engine import wire_dtype
+
+    with pytest.raises(ValueError, match=r"is not one of None, 'bf16' \('bfloat16'"):
+        wire_dtype(name)

@@ -34,6 +34,7 @@ COMM_PATHS = {
     "ddpx": "comm path: ddpx",
     "default": "comm path: DDP default all-reduce (gloo)",
     "fp16": "comm path: torch fp16_compress_hook",
+    "ddpx-bf16": "; bfloat16\n",
 }
 
 
@@ -82,7 +83,7 @@ def final_state(stdout: str) -> tuple[str, str]:
             re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "default", "fp16"])
+@pytest.mark.parametrize("comm_hook", ["ddpx", "ddpx-bf16", "default", "fp16"])
 def test_basic_two_processes(comm_hook):
     stdout = accelerate_launch("basic.py", "--comm_hook", comm_hook)
     check_training(stdout, 2, COMM_PATHS[comm_hook])

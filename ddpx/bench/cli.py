@@ -176,6 +176,7 @@ error, makes the run exit with status 1 after the table.
 """
 
 import argparse
+import importlib.util
 import os
 import signal
 import subprocess
@@ -312,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="float32 elements per rank, with K/M suffixes (powers of 1000; default 1M)",
     )
     args = parser.parse_args(argv)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     if args.nodes is None:
         args.nodes = 2 if args.link else 1
     return args
