@@ -6,7 +6,7 @@ Every time is in milliseconds and every rate in bits per second. ``node_ms`` is 
 modelled: the time the same all-reduce takes with nothing limiting the link (ddpx-bench's
 ``--link none`` row of the same engine and size), which on one machine includes every node's
 work and the TCP copies on the same cores. The model is checked against the testbed in the
-README ("Across a network"), and predicts larger jobs there.
+docs/benchmarks.md ("Across a network"), and predicts larger jobs there.
 """
 
 from __future__ import annotations
