@@ -695,7 +695,8 @@ def battery(rank, world):
         cpu_backend().describe()
     for section in (b.all_reduce_float_sums, b.all_reduce_exact_ops, b.broadcast, b.all_gather,
                     b.all_gather_into_tensor, b.reduce_scatter, b.reduce_scatter_tensor,
-                    b.barrier, b.coalesced, b.asynchronous, b.non_contiguous, b.point_to_point_and_rooted):
+                    b.barrier, b.coalesced, b.asynchronous, b.non_contiguous,
+                    b.point_to_point_and_rooted):
         section()
     b.check_routes()
     b.uncounted()

@@ -61,7 +61,8 @@ def run_suite(world: int, tmp_path: Path, select: list[str] | None = None,
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)
         output, _ = job.communicate()
-        raise AssertionError(f"the suite did not finish in {timeout} s:\n{output[-3000:]}")
+        raise AssertionError(
+            f"the suite did not finish in {timeout} s:\n{output[-3000:]}") from None
     # The multiprocessing resource tracker ends a moment after the suite: give it 10 s.
     deadline = time.monotonic() + 10
     while _in_session(job.pid) and time.monotonic() < deadline:

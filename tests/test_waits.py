@@ -172,7 +172,7 @@ def test_ranks_rebound_to_one_cpu_yield_to_each_other():
     # The bindings are read at every call: unbound, 2 ranks have 2 CPUs and never yield; bound
     # to one CPU together, the awaited rank can only run when this one gives the CPU up.
     results = run_ranks(rebound_yields, 2, timeout=120)
-    for (unbound, bound), (free, together) in results:
+    for (unbound, _), (free, together) in results:
         assert unbound == 0
         assert "spin up to 50 us, less once" in free
         assert "waits yield first (2 ranks may run on 1 CPUs)" in together
@@ -184,8 +184,9 @@ def sums_while_a_peer_is_stopped(rank, world):
     deschedules a rank mid-call; returns whether every sum was exact."""
     import subprocess
 
-    import ddpx
     import torch.distributed as dist
+
+    import ddpx
 
     x = torch.arange(25 * 1024 * 1024 // 4, dtype=torch.float32).remainder_(97).add_(rank)
     expected = x * world - rank * world + sum(range(world))

@@ -17,12 +17,13 @@ import torch.distributed.distributed_c10d as c10d
 if os.environ.get("BACKEND") != "gloo" or "WORLD_SIZE" not in os.environ:
     sys.exit("tests/torch_suite.py runs with BACKEND=gloo and WORLD_SIZE set")
 
-import ddpx  # noqa: E402,F401  registers the backend
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
+
+import ddpx  # noqa: E402,F401  registers the backend
 
 _make_group = c10d._new_process_group_helper
 
