@@ -140,8 +140,18 @@ class _Meeting:
     def put(self, key: str, value: str) -> None:
         self.store.set(f"{self.prefix}/{key}", value)
 
-    def get(self, key: str) -> str:
-        return self.store.get(f"{self.prefix}/{key}").decode()
+    def get(self, key: str, rank: int) -> str:
+        """What global rank ``rank`` put at ``key``, waiting for it up to the store's timeout."""
+        try:
+            return self.store.get(f"{self.prefix}/{key}").decode()
+        except RuntimeError as error:  # a timeout (DistStoreError, or FileStore's own) or a
+            # store that went away: either way the rank never got here
+            raise RuntimeError(
+                f"ddpx: rank {rank} did not join the set-up of this group's shared-memory engine "
+                f"({error}): every rank of the group makes it together, at the group's creation "
+                f"(backend 'ddpx') or at its first ddpx call (the hook's first bucket, "
+                f"ddpx.all_reduce); look at why rank {rank} has not got there"
+            ) from None
 
 
 def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
@@ -171,7 +181,8 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
     C = extension()
     size, index = len(local), local.index(me)
     names = [ranks[r] for r in local]
-    block_bytes, wide_bytes, one_shot_bytes = (int(v) for v in meeting.get("layout").split())
+    layout = meeting.get("layout", ranks[0])
+    block_bytes, wide_bytes, one_shot_bytes = (int(v) for v in layout.split())
     if across_nodes:  # the nodes would have to agree on every call's steps: narrow ones only
         wide_bytes = block_bytes
     if index == 0:
@@ -188,11 +199,12 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             return str(error)
         meeting.put(f"segment/{node}", f"ok {name} {wide_bytes}")
         try:
-            verdicts = [meeting.get(f"attached/{node}/{i}") for i in range(1, size)]
+            verdicts = [meeting.get(f"attached/{node}/{i}", names[i])
+                        for i in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
     else:
-        status, _, name = meeting.get(f"segment/{node}").partition(" ")
+        status, _, name = meeting.get(f"segment/{node}", names[0]).partition(" ")
         if status != "ok":
             return name
         name, wide = name.split()
@@ -208,7 +220,7 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
         except Exception as error:  # noqa: BLE001
             verdict = f"rank {ranks[me]} could not map the segment: {error}"
         meeting.put(f"attached/{node}/{index}", verdict)
-        verdicts = [verdict if i == index else meeting.get(f"attached/{node}/{i}")
+        verdicts = [verdict if i == index else meeting.get(f"attached/{node}/{i}", names[i])
                     for i in range(1, size)]
     failed = [v for v in verdicts if v != "ok"]
     return failed[0] if failed else engine
@@ -260,7 +272,7 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
     if me == 0:
         meeting.put("layout", f"{_BLOCK_KB * 1024} {_WIDE_KB * 1024} {_ONE_SHOT_KB * 1024}")
     meeting.put(f"node/{me}", _node_identity())
-    nodes = [meeting.get(f"node/{r}") for r in range(size)]
+    nodes = [meeting.get(f"node/{r}", ranks[r]) for r in range(size)]
     names = list(dict.fromkeys(nodes))
     members = [[r for r in range(size) if nodes[r] == name] for name in names]
     node = names.index(nodes[me])
@@ -274,7 +286,7 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
     result = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
     # One node without shared memory makes every node fall back: the paths must match.
     meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
-    reasons = [meeting.get(f"usable/{r}") for r in range(size)]
+    reasons = [meeting.get(f"usable/{r}", ranks[r]) for r in range(size)]
     failed = [r for r in reasons if r != "ok"]
     if failed:
         reason = f"shared memory is unavailable: {failed[0]}"

@@ -349,3 +349,23 @@ def test_an_unknown_compression_names_the_ones_there_are(name):
 
     with pytest.raises(ValueError, match=r"is not one of None, 'bf16' \('bfloat16'"):
         wire_dtype(name)
+
+
+def one_rank_never_calls(rank, world):
+    import time
+
+    import ddpx
+
+    if rank == 1:
+        time.sleep(6)  # past rank 0's store timeout, then leaves without a ddpx call
+        return None
+    with pytest.raises(RuntimeError) as info:
+        ddpx.all_reduce(torch.ones(8))
+    return str(info.value)
+
+
+def test_a_rank_that_never_makes_its_first_call_is_named_within_the_timeout():
+    message = run_ranks(one_rank_never_calls, 2, group_timeout=3)[0]
+    assert message.startswith("ddpx: rank 1 did not join the set-up of this group's "
+                              "shared-memory engine (Timeout waiting for key"), message
+    assert message.endswith("look at why rank 1 has not got there"), message
