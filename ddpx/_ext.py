@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from ddpx import settings
 from ddpx._buildspec import CPP_SOURCES, plan
 
 logger = logging.getLogger("ddpx")
@@ -39,7 +40,7 @@ def _cache_dir(sources: list[Path], flags: list[str]) -> Path:
     for header in sorted(sources[0].parent.rglob("*.h")):
         digest.update(header.read_bytes())
     digest.update(" ".join(flags).encode())
-    root = Path(os.environ.get("DDPX_CACHE_DIR", Path.home() / ".cache" / "ddpx"))
+    root = Path(settings.value("DDPX_CACHE_DIR")).expanduser()
     return root / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
 
 

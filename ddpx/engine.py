@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
+from ddpx import settings
 from ddpx._ext import extension
 
 __all__ = ["all_reduce", "create_node_engine", "engine_for", "wire_dtype"]
@@ -35,17 +36,17 @@ _SEGMENT_PREFIX = "ddpx-"
 # Measured on 2 cores with 2 and 4 ranks (docs/under-load.md): 256 KiB blocks keep a step's
 # slots in the last-level cache. Wide blocks, 16 times fewer, are there for engine.steps "wide"
 # and "timed".
-_BLOCK_KB = int(os.environ.get("DDPX_BLOCK_KB", "256"))
-_WIDE_KB = int(os.environ.get("DDPX_WIDE_KB", "4096"))
+_BLOCK_KB = settings.kib("DDPX_BLOCK_KB")
+_WIDE_KB = settings.kib("DDPX_WIDE_KB")
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
 # each with a second exchange (two-phase): above 32 KiB, narrow two-phase steps were the fastest
 # schedule here idle and busy, in every launch measured (docs/under-load.md).
-_ONE_SHOT_KB = int(os.environ.get("DDPX_ONE_SHOT_KB", "32"))
+_ONE_SHOT_KB = settings.kib("DDPX_ONE_SHOT_KB")
 # Across nodes (docs/benchmarks.md, "Across a network"): slices cross in chunks of this much of
 # the message, taking turns on this many lanes (two process groups each), so the link never waits
 # for the node.
-_CROSS_CHUNK_KB = int(os.environ.get("DDPX_CROSS_CHUNK_KB", "4096"))
-_CROSS_LANES = int(os.environ.get("DDPX_CROSS_LANES", "1"))
+_CROSS_CHUNK_KB = settings.kib("DDPX_CROSS_CHUNK_KB")
+_CROSS_LANES = settings.kib("DDPX_CROSS_LANES")
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
@@ -240,10 +241,6 @@ _across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def lane_groups(ranks: list[int], make_group) -> list:
     """The process groups between nodes of these global ranks, the same local index on every
     node: a dealing and a gathering one per lane, ``make_group(ranks, lane)`` each."""
-    if _CROSS_LANES < 1 or _CROSS_CHUNK_KB < 1:
-        raise ValueError(
-            f"ddpx: DDPX_CROSS_LANES={_CROSS_LANES} and DDPX_CROSS_CHUNK_KB={_CROSS_CHUNK_KB}: "
-            "both must be 1 or more (unset them for the defaults, 1 and 4096)")
     return [make_group(ranks, lane) for lane in range(2 * _CROSS_LANES)]
 
 
@@ -290,7 +287,7 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
     failed = [r for r in reasons if r != "ok"]
     if failed:
         reason = f"shared memory is unavailable: {failed[0]}"
-        if os.environ.get("DDPX_STRICT") == "1":
+        if settings.flag("DDPX_STRICT"):
             raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
         return reason
     return result

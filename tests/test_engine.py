@@ -3,6 +3,9 @@ reference, the same bits on every rank and under both reduction schedules (one-s
 two-phase, forced with small blocks), groups, compression, bad input, dead and silent peers, and
 the asynchronous path."""
 
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -369,3 +372,13 @@ def test_a_rank_that_never_makes_its_first_call_is_named_within_the_timeout():
     assert message.startswith("ddpx: rank 1 did not join the set-up of this group's "
                               "shared-memory engine (Timeout waiting for key"), message
     assert message.endswith("look at why rank 1 has not got there"), message
+
+
+@pytest.mark.parametrize("name, text", [("DDPX_BLOCK_KB", "abc"), ("DDPX_CROSS_LANES", "0")])
+def test_a_bad_setting_stops_the_import_naming_it_and_its_default(name, text):
+    done = subprocess.run([sys.executable, "-c", "import ddpx"], capture_output=True, text=True,
+                          env={**os.environ, name: text}, timeout=120)
+    assert done.returncode != 0
+    default = {"DDPX_BLOCK_KB": "256", "DDPX_CROSS_LANES": "1"}[name]
+    assert (f"ValueError: ddpx: {name}='{text}' is not a whole number of 1 or more; unset it for "
+            f"the default, {default}") in done.stderr, done.stderr

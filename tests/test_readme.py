@@ -30,3 +30,12 @@ def test_a_readme_example_runs_as_written(name, expected, tmp_path):
                           timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(expected) == 2, done.stdout  # one line from each rank
+
+
+def test_the_settings_table_is_the_registry():
+    from ddpx.settings import SETTINGS
+
+    table = README.split("## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(DDPX_\w+)` \| (.+?) \| (.+?) \|$", table, re.M)
+    assert rows == [(s.name, "unset" if s.default is None else f"`{s.default}`", s.meaning)
+                    for s in SETTINGS]

@@ -1,0 +1,68 @@
+"""Every DDPX_* environment variable ddpx reads, its default and its meaning, in one place.
+
+ddpx reads them when it is imported (the build-time ones when it is built). ``describe()`` lists
+them with the values in effect; the README's settings table is this list.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["SETTINGS", "describe", "flag", "kib", "value"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str | None  # None: unset
+    meaning: str
+
+
+SETTINGS = (
+    Setting("DDPX_BLOCK_KB", "256", "one rank's block of a step in shared memory"),
+    Setting("DDPX_WIDE_KB", "4096",
+            "a wide block (`engine.steps = \"wide\"` or `\"timed\"`, docs/under-load.md)"),
+    Setting("DDPX_ONE_SHOT_KB", "32",
+            "messages up to this size are summed whole by every rank, larger ones a slice each"),
+    Setting("DDPX_CROSS_CHUNK_KB", "4096",
+            "across nodes: how much of a message crosses per chunk of the pipeline"),
+    Setting("DDPX_CROSS_LANES", "1",
+            "across nodes: lanes (pairs of process groups) the chunks take turns on"),
+    Setting("DDPX_STRICT", None, "`1`: raise instead of falling back to the process group"),
+    Setting("DDPX_CACHE_DIR", "~/.cache/ddpx", "where a build at first use goes"),
+    Setting("DDPX_SKIP_CUDA", None, "`1`: build without the CUDA kernels"),
+)
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+def value(name: str) -> str | None:
+    """The variable's value in this process's environment, or its default."""
+    return os.environ.get(name, _BY_NAME[name].default)
+
+
+def kib(name: str) -> int:
+    """A size in KiB (or a count) that must be a whole number of 1 or more."""
+    text = value(name)
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"ddpx: {name}={text!r} is not a whole number of 1 or more; unset it for "
+                         f"the default, {_BY_NAME[name].default}")
+    return number
+
+
+def flag(name: str) -> bool:
+    return value(name) == "1"
+
+
+def describe() -> str:
+    """One line per setting: its value in effect, whether that is the default, and its meaning."""
+    lines = []
+    for setting in SETTINGS:
+        now = value(setting.name)
+        source = "set" if setting.name in os.environ else "default"
+        lines.append(f"{setting.name}={'' if now is None else now} ({source}): {setting.meaning}")
+    return "\n".join(lines)
