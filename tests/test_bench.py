@@ -312,7 +312,7 @@ def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path
 
 
 def testbed_unavailable() -> str | None:
-    from ddpx import testbed
+    from ddpx.bench import testbed
 
     return testbed.unavailable()
 

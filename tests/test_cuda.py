@@ -1,7 +1,7 @@
 """The GPU path. Every .cu file compiles with this machine's nvcc, GPU or not, so a CUDA compile
 error fails CI anywhere. The kernels round and sum exactly as plain torch does, and stay within
 their rounding bounds of a float64 reference; their tests share one body with the CPU kernels of
-the same contract, so the bodies run without a GPU too. On a GPU (scripts/gpu_check.sh runs this
+the same contract, so the bodies run without a GPU too. On a GPU (tools/gpu_check.sh runs this
 file there) the kernels also run past 2^31 elements and on a side stream, and the fused hook and
 ddpx.all_reduce reduce CUDA tensors over NCCL on 1 GPU (on 2 if there are), and over gloo with 2
 and 3 ranks sharing one GPU, which NCCL refuses: every multi-rank step of the CUDA engine but

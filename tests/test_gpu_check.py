@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh, the one command for a GPU machine, run here end to end without a GPU
+"""tools/gpu_check.sh, the one command for a GPU machine, run here end to end without a GPU
 (every step still runs: the GPU tests skip, the speed report says there is no CUDA device,
 model_parallel.py trains on the CPU) and with an interpreter that fails (every step is still
 tried and reported); its summary of failed steps and tests; and the speed report's DDP steps and
@@ -18,7 +18,7 @@ import torch
 from distributed import run_ranks, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STEPS_WITHOUT_GPU = ["environment", "build", "build_info", "tests", "speed", "model_parallel-cpu"]
 
 
@@ -52,7 +52,7 @@ def run_check(out: Path, *args: str, timeout: float = 120, **env: str) -> subpro
 
 @pytest.mark.slow  # 22 s
 @pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="a GPU is here: run `bash scripts/gpu_check.sh` itself (minutes)")
+                    reason="a GPU is here: run `bash tools/gpu_check.sh` itself (minutes)")
 def test_every_step_runs_and_reports_without_a_gpu(tmp_path):
     segments = shm_segments()
     check = run_check(tmp_path, "--skip-build")
@@ -93,7 +93,7 @@ def test_summary_names_failed_steps_and_tests(tmp_path):
     (tmp_path / "steps.tsv").write_text(
         "build\tpassed\t0\t61.0\t240\tbuild.log\tbash -c step_build\n"
         "tests\tfailed\t1\t80.5\t200\ttests.log\tpython -m pytest\n"
-        "speed\ttimed out\t124\t120.0\t120\tspeed.log\tpython scripts/gpu_report.py speed\n"
+        "speed\ttimed out\t124\t120.0\t120\tspeed.log\tpython tools/gpu_report.py speed\n"
         "model_parallel-cuda0-cpu\tout of time\t\t0\t\tmodel_parallel-cuda0-cpu.log\tpython\n")
     (tmp_path / "junit.xml").write_text(
         '<testsuites><testsuite name="pytest">'
@@ -103,7 +103,7 @@ def test_summary_names_failed_steps_and_tests(tmp_path):
         '<testcase classname="tests.test_cuda" name="test_c[nccl-2]">'
         '<skipped type="pytest.skip" message="needs 2 CUDA GPUs">where</skipped></testcase>'
         '</testsuite></testsuites>')
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"),
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_summary.py"),
                              str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
@@ -119,7 +119,7 @@ def test_summary_names_failed_steps_and_tests(tmp_path):
 
 
 def gpu_report():
-    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "scripts" / "gpu_report.py")
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "tools" / "gpu_report.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

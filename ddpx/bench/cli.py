@@ -185,7 +185,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from ddpx import testbed
+from ddpx.bench import testbed
 from ddpx.bench.accuracy import METHODS
 from ddpx.bench.allreduce import ENGINES, SCHEDULES
 from ddpx.bench.collectives import COLLECTIVES, DEFAULT_COLLECTIVES

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpx import testbed
+from ddpx.bench import testbed
 from ddpx.bench.accuracy import bench_accuracy
 from ddpx.bench.allreduce import (
     add_model,
@@ -98,9 +98,10 @@ def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
 
 
 def on_testbed(args, argv: list[str]) -> dict:
-    """Run each world size under each --link rate on --nodes network namespaces (ddpx.testbed),
-    one torchrun per node running this same command; merge what their rank 0 wrote, each row with
-    its link: the rate, the TCP payload rate measured on it, and the engine's bound there."""
+    """Run each world size under each --link rate on --nodes network namespaces
+    (ddpx.bench.testbed), one torchrun per node running this same command; merge what their rank 0
+    wrote, each row with its link: the rate, the TCP payload rate measured on it, and the engine's
+    bound there."""
     why_not = testbed.unavailable()
     if why_not:
         sys.exit(f"ddpx-bench: --link needs network namespaces, and {why_not}")

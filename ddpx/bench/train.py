@@ -38,7 +38,7 @@ def bench_train(args) -> dict:
 
 def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
     """A DDP copy of `initial` (on its device) per hook that works here: name -> (model, what its
-    hook does). scripts/gpu_report.py uses it too."""
+    hook does). tools/gpu_report.py uses it too."""
     device = next(initial.parameters()).device
     models = {}
     for name in hooks:
@@ -57,7 +57,7 @@ def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: in
                 steps: int) -> dict:
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
-    makes them the slowest rank's). scripts/gpu_report.py uses it too."""
+    makes them the slowest rank's). tools/gpu_report.py uses it too."""
     steps_of = {
         name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
         for name, (model, _) in models.items()
@@ -137,7 +137,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
 def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
     """Per hook, max |diff| of its final parameters from the default model's, and a tolerance.
     `models`: hook name -> (DDP model, description); `initial` is on the models' device.
-    scripts/gpu_report.py uses it too."""
+    tools/gpu_report.py uses it too."""
     if "default" not in models:
         return {}
     default = models["default"][0].module

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The check of ddpx's CUDA path on a GPU machine, one command from a source checkout:
 #
-#     bash scripts/gpu_check.sh [--skip-build]     # report in $OUT (default: gpu_out)
+#     bash tools/gpu_check.sh [--skip-build]     # report in $OUT (default: gpu_out)
 #
 # Steps, each under a time limit of its own and all within GPU_CHECK_BUDGET_S seconds (default
 # 330), each run whatever the others did:
@@ -10,10 +10,10 @@
 #                    the GPU's capability, else sm_90; TORCH_CUDA_ARCH_LIST overrides it)
 #   build_info       the extension loads from this checkout, with CUDA kernels if torch has CUDA
 #   tests            tests/test_cuda.py but its compile checks (the build is one), junit.xml
-#   speed            scripts/gpu_report.py speed: the kernels against a device-to-device copy,
+#   speed            tools/gpu_report.py speed: the kernels against a device-to-device copy,
 #                    all-reduces and DDP steps at world size 1 (speed.json, speed.txt)
 #   model_parallel   scripts/model_parallel.py with both halves on cuda:0, then on cuda:0 and cpu
-# then report.json and report.txt (scripts/gpu_summary.py). Exit status 0 when every step passed,
+# then report.json and report.txt (tools/gpu_summary.py). Exit status 0 when every step passed,
 # 1 when any failed, timed out or found no time left. Each step's output is in OUT/<step>.log.
 # --skip-build uses the extension already built in ddpx/ (a rerun after a build that passed).
 #
@@ -131,7 +131,7 @@ step_environment() {
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS; $TOOLKIT_NOTE"
   if command -v nvcc > /dev/null; then nvcc --version; else echo "nvcc: not on PATH"; fi
   "$PYTHON" -m torch.utils.collect_env || echo "(torch.utils.collect_env failed)"
-  "$PYTHON" scripts/gpu_report.py environment --json "$OUT/environment.json"
+  "$PYTHON" tools/gpu_report.py environment --json "$OUT/environment.json"
 }
 
 step_build() {
@@ -159,11 +159,11 @@ if ((SKIP_BUILD)); then
 else
   run_step build 240 bash -c step_build
 fi
-run_step build_info 60 "$PYTHON" scripts/gpu_report.py build-info --json "$OUT/build_info.json"
+run_step build_info 60 "$PYTHON" tools/gpu_report.py build-info --json "$OUT/build_info.json"
 # Not the compile checks (half a minute): the build step compiles the same sources for real.
 run_step tests 200 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py \
   -k "not compile" --junitxml="$OUT/junit.xml"
-run_step speed 120 "$PYTHON" scripts/gpu_report.py speed --json "$OUT/speed.json" \
+run_step speed 120 "$PYTHON" tools/gpu_report.py speed --json "$OUT/speed.json" \
   --text "$OUT/speed.txt"
 if [[ $CAPABILITY != - ]]; then
   run_step model_parallel-cuda0-cuda0 60 "$PYTHON" scripts/model_parallel.py \
@@ -174,7 +174,7 @@ else
   run_step model_parallel-cpu 60 "$PYTHON" scripts/model_parallel.py --devices cpu,cpu --steps 20
 fi
 
-timeout 60 "$PYTHON" scripts/gpu_summary.py "$OUT"
+timeout 60 "$PYTHON" tools/gpu_summary.py "$OUT"
 code=$?
 if [[ ! -f $OUT/report.json ]]; then
   say "the summary failed (exit $code), so there is no report.json; the steps were:"

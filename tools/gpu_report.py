@@ -1,8 +1,8 @@
-"""The steps of scripts/gpu_check.sh that ask torch, one subcommand each:
+"""The steps of tools/gpu_check.sh that ask torch, one subcommand each:
 
-    python scripts/gpu_report.py environment --json OUT/environment.json
-    python scripts/gpu_report.py build-info --json OUT/build_info.json
-    python scripts/gpu_report.py speed --json OUT/speed.json --text OUT/speed.txt
+    python tools/gpu_report.py environment --json OUT/environment.json
+    python tools/gpu_report.py build-info --json OUT/build_info.json
+    python tools/gpu_report.py speed --json OUT/speed.json --text OUT/speed.txt
 
 environment: python, torch with its CUDA and NCCL versions, the GPUs, the CUDA toolkit a build
 would use. build-info: ddpx.build_info() of the extension built in this checkout; fails when it is

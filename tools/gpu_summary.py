@@ -1,6 +1,6 @@
-"""The report of scripts/gpu_check.sh, from what its steps left in its output folder:
+"""The report of tools/gpu_check.sh, from what its steps left in its output folder:
 
-    python scripts/gpu_summary.py OUT
+    python tools/gpu_summary.py OUT
 
 writes OUT/report.json (every step with its status, exit code, seconds, time limit and log; the
 environment; the build; the tests' counts, the reasons of their skips and their failures, from
