@@ -162,3 +162,13 @@ def test_plain_pip_builds_against_the_installed_torch(tmp_path, how):
     assert build_info["torch_version"] == installed_torch == torch.__version__
     expected_home = checkout if how == "editable" else venv
     assert Path(build_info["path"]).is_relative_to(expected_home)
+
+
+def test_import_ddpx_loads_the_library_only():
+    """The benchmark, its network testbed and the trainers' adapters stay off the import path."""
+    done = subprocess.run([sys.executable, "-c", "import sys, ddpx; print(sorted(m for m in "
+                           "sys.modules if m.startswith('ddpx')))"],
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == str(sorted(["ddpx", "ddpx._buildspec", "ddpx._ext",
+                                              "ddpx.backend", "ddpx.engine", "ddpx.hooks",
+                                              "ddpx.settings"]))
