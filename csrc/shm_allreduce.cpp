@@ -49,7 +49,8 @@ constexpr uint32_t kRetryEvery = 32;
 constexpr uint32_t kRetryFarSlowerEvery = 128;
 constexpr double kFarSlower = 1.5;
 constexpr uint32_t kTrialCalls = 3;
-// Chunks started across nodes and not yet all-gathered, per rank (docs/benchmarks.md, "Across a network").
+// Chunks started across nodes and not yet all-gathered, per rank (docs/benchmarks.md, "Across a
+// network").
 constexpr int64_t kCrossChunksInFlight = 6;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }

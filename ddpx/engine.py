@@ -36,17 +36,17 @@ _SEGMENT_PREFIX = "ddpx-"
 # Measured on 2 cores with 2 and 4 ranks (docs/under-load.md): 256 KiB blocks keep a step's
 # slots in the last-level cache. Wide blocks, 16 times fewer, are there for engine.steps "wide"
 # and "timed".
-_BLOCK_KB = settings.kib("DDPX_BLOCK_KB")
-_WIDE_KB = settings.kib("DDPX_WIDE_KB")
+_BLOCK_KB = settings.positive_int("DDPX_BLOCK_KB")
+_WIDE_KB = settings.positive_int("DDPX_WIDE_KB")
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
 # each with a second exchange (two-phase): above 32 KiB, narrow two-phase steps were the fastest
 # schedule here idle and busy, in every launch measured (docs/under-load.md).
-_ONE_SHOT_KB = settings.kib("DDPX_ONE_SHOT_KB")
+_ONE_SHOT_KB = settings.positive_int("DDPX_ONE_SHOT_KB")
 # Across nodes (docs/benchmarks.md, "Across a network"): slices cross in chunks of this much of
 # the message, taking turns on this many lanes (two process groups each), so the link never waits
 # for the node.
-_CROSS_CHUNK_KB = settings.kib("DDPX_CROSS_CHUNK_KB")
-_CROSS_LANES = settings.kib("DDPX_CROSS_LANES")
+_CROSS_CHUNK_KB = settings.positive_int("DDPX_CROSS_CHUNK_KB")
+_CROSS_LANES = settings.positive_int("DDPX_CROSS_LANES")
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}

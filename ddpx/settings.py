@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "describe", "flag", "kib", "value"]
+__all__ = ["SETTINGS", "describe", "flag", "positive_int", "value"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ def value(name: str) -> str | None:
     return os.environ.get(name, _BY_NAME[name].default)
 
 
-def kib(name: str) -> int:
-    """A size in KiB (or a count) that must be a whole number of 1 or more."""
+def positive_int(name: str) -> int:
+    """A size in KiB or a count: a whole number of 1 or more."""
     text = value(name)
     try:
         number = int(text)

@@ -55,8 +55,7 @@ trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
 if trainer.global_rank == 0:
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "backend": dist.get_backend(),
-                "routes": dist.group.WORLD._get_backend(torch.device("cpu")).routes()
-                if mode == "backend" else None,
+                "routes": ddpx.backend_of().routes() if mode == "backend" else None,
                 "hook": hook.state.describe() if hook.state is not None else None}, out)
 # The DDP model goes, then the group: a gloo group alive at interpreter exit can abort the process
 # ("terminate called without an active exception": gloo's thread frees a tensor of Python's).
@@ -190,8 +189,7 @@ trainer.train()
 if dist.get_rank() == 0:
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "backend": dist.get_backend(),
-                "routes": dist.group.WORLD._get_backend(torch.device("cpu")).routes()
-                if mode != "default" else None,
+                "routes": ddpx.backend_of().routes() if mode != "default" else None,
                 "hook": hook.state.describe() if hook is not None else None}, out)
 del trainer, model, hook
 gc.collect()
