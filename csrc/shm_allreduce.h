@@ -1,21 +1,19 @@
-// The shared-memory all-reduce between the ranks of one node.
+// The collectives of the ranks of one node over a shared-memory channel (shm_channel.h), and the
+// hierarchical all-reduce that adds a link across nodes.
 //
-// Every rank owns two input slots in one POSIX shared-memory segment; a message goes through in
-// blocks ("steps"), alternating slots, so a rank fills its next block while its peers still read
-// the last one. Each rank publishes a monotonic step counter when its block is in; readers wait
-// for every peer's counter, never for a global barrier. An all-reduce goes through one of three
-// schedules. One-shot: every rank sums every block (one synchronisation per step). Two-phase:
-// each rank sums its slice of a block into a shared float32 output slot, and all copy the whole
-// result out, in narrow blocks, which stay in the cache, or in wide ones, which need fewer
-// synchronisations (on a busy machine each can cost a peer's time slice). All sum the ranks in
-// rank order in float32, so every rank gets the same bits, whichever schedule ran. By default
-// messages up to one_shot_bytes go one-shot and larger ones in narrow two-phase steps; with
-// timed steps local rank 0 times the schedules per size class as the job runs and picks for
-// all (see time_schedule).
+// An all-reduce goes through one of three schedules. One-shot: every rank sums every block (one
+// synchronisation per step). Two-phase: each rank sums its slice of a block into a shared float32
+// output slot, and all copy the whole result out, in narrow blocks, which stay in the cache, or
+// in wide ones, which need fewer synchronisations (on a busy machine each can cost a peer's time
+// slice). All sum the ranks in rank order in float32, so every rank gets the same bits, whichever
+// schedule ran. By default messages up to one_shot_bytes go one-shot and larger ones in narrow
+// two-phase steps; with timed steps local rank 0 times the schedules per size class as the job
+// runs and picks for all (shm_schedules.cpp). Across nodes (shm_hierarchical.cpp) the node's
+// two phases frame a cross-node sum of each rank's slices.
 //
-// Reusing a slot needs no extra synchronisation: a rank writes step s's slots only after every
-// peer has arrived at step s-1, which each does only after it finished reading step s-2, the
-// last user of those slots.
+// The files: shm_allreduce.cpp (calls and their agreement, the one-node all-reduce),
+// shm_schedules.cpp, shm_hierarchical.cpp, shm_collectives.cpp (all-gather, broadcast,
+// reduce-scatter, all-to-all).
 #pragma once
 
 #include <atomic>
@@ -25,48 +23,13 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
+#include "shm_channel.h"
 
 namespace ddpx {
-
-constexpr int kMaxLocalRanks = kMaxSources;
-
-// A mapped POSIX shared-memory segment. The creator reserves its pages up front (fallocate), so a
-// full /dev/shm fails here with a message instead of a SIGBUS later.
-class ShmSegment {
- public:
-  static std::shared_ptr<ShmSegment> create(const std::string& name, size_t bytes);
-  static std::shared_ptr<ShmSegment> attach(const std::string& name, size_t bytes);
-  // Removes the name; mappings stay valid. Safe to call for a name that is already gone.
-  static void unlink(const std::string& name);
-
-  ShmSegment(const ShmSegment&) = delete;
-  ShmSegment& operator=(const ShmSegment&) = delete;
-  ~ShmSegment();
-
-  char* data() const { return data_; }
-  size_t size() const { return size_; }
-
- private:
-  ShmSegment(char* data, size_t size) : data_(data), size_(size) {}
-  char* data_;
-  size_t size_;
-};
-
-struct ShmLayout {
-  int nranks;
-  size_t block_bytes;  // bytes of one rank's narrow block, in the wire dtype
-  size_t wide_bytes;   // bytes of a wide one, a multiple of block_bytes; the slots hold one
-
-  size_t segment_bytes() const;
-
- private:
-  friend class ShmAllreduce;
-  static size_t control_offset();
-  size_t data_offset() const;
-};
 
 // The link between the ranks of one local index on every node, for the hierarchical all-reduce.
 class CrossNode {
@@ -90,8 +53,6 @@ class CrossNode {
 
 class ShmAllreduce {
  public:
-  friend struct ShmLayout;
-
   // ranks[i] is the process-group rank of local rank i, used in error messages. The creator of the
   // segment passes initialize=true before anyone else attaches.
   ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
@@ -153,52 +114,63 @@ class ShmAllreduce {
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   void reject(const std::string& reason, const std::string& what);
 
-  // What this rank's waits for its peers have done so far (see wait_all in the .cpp).
-  struct WaitStats {
-    uint64_t waited_ns;    // time spent in waits, spinning, yielding or asleep
-    uint64_t waits;        // synchronisations at which some peer was not there yet
-    uint64_t sleeps;       // futex sleeps
-    uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
-    uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
-  };
-  WaitStats wait_stats() const;
-  // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
-  std::string wait_policy() const;
-
+  using WaitStats = ShmChannel::WaitStats;
+  WaitStats wait_stats() const { return channel_.wait_stats(); }
+  std::string wait_policy() const { return channel_.wait_policy(); }
   // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).
-  void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
+  void set_call_timeout(std::chrono::milliseconds timeout) { channel_.set_call_timeout(timeout); }
 
-  int local_size() const { return layout_.nranks; }
-  int local_rank() const { return me_; }
-  size_t block_bytes() const { return layout_.block_bytes; }
-  size_t wide_bytes() const { return layout_.wide_bytes; }
+  int local_size() const { return channel_.size(); }
+  int local_rank() const { return channel_.me(); }
+  size_t block_bytes() const { return channel_.layout().block_bytes; }
+  size_t wide_bytes() const { return channel_.layout().wide_bytes; }
 
  private:
-  struct Header;
-  struct RankControl;
-  struct CallMeta;
-  enum class Phase { Arrive, Reduce };
+  using Phase = ShmChannel::Phase;
+  using Clock = ShmChannel::Clock;
   enum class Collective : int32_t { AllReduce, AllGather, Broadcast, ReduceScatter, AllToAll };
+  // Results at least this large go out with streaming stores: they would not stay in the cache.
+  static constexpr size_t kStreamBytes = size_t(8) << 20;
 
-  char* input_slot(int rank, uint64_t step) const;
-  char* output_slot(uint64_t step) const;
-  void publish(Phase phase, uint64_t step);
-  using WaitClock = std::chrono::steady_clock;
-  std::atomic<uint64_t>& counter(int rank, Phase phase) const;
-  bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
-  bool peers_at(Phase phase, uint64_t step) const;
-  bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
-  // How many CPUs the local ranks may run on together, as each last published its binding.
-  int ranks_cpu_count() const;
-  // Whether no rank still awaited has published since since_ns (steady clock): all seem to be
-  // off their CPUs, descheduled, rather than working.
-  bool awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const;
-  // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
-  bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
-  // The first two stages of wait_all, from the wait's start; true when the peers are there.
-  bool yield_while_cheap(Phase phase, uint64_t step, WaitClock::time_point start);
-  bool spin_while_running(Phase phase, uint64_t step, WaitClock::time_point start);
-  void wait_all(Phase phase, uint64_t step, const std::string& what);
+  // One all-reduce's blocks: the tensor's, in the dtype it is reduced in, and this rank's slice
+  // of each, which it sums for the node in the two-phase schedules.
+  struct Blocks {
+    char* data;
+    DType dtype, wire, acc;  // acc: the dtype of the sums, float32 (float64 for float64)
+    int64_t numel, per_block, n;  // n: how many blocks
+    size_t data_size, wire_size, acc_size;
+    int ranks, me;
+    int64_t elements(int64_t b) const {  // in block b
+      return std::max<int64_t>(0, std::min(per_block, numel - b * per_block));
+    }
+    char* at(int64_t b) const { return data + size_t(b * per_block) * data_size; }
+    // This rank's slice [lo, hi) of a block of n elements. Slices are whole cache lines, so no
+    // two ranks write the same line of the output slot.
+    std::pair<int64_t, int64_t> slice(int64_t n) const;
+  };
+  // What an all-reduce does at every block: the blocks, the call's description, and how.
+  struct AllreduceCall {
+    Blocks blocks;
+    CallMeta meta;
+    double scale;
+    bool wide;              // wide steps
+    bool own_slice_direct;  // see allreduce
+    Store out_store;
+    const std::string& what;
+    Clock::duration skew{};  // the wait for the ranks to arrive at the first step
+  };
+  // Puts block b into this rank's input slot (less its own slice, when read in place), waits for
+  // every peer's, and at the first block checks the call against the peers' (and nodes');
+  // returns the block's step.
+  uint64_t arrive(AllreduceCall& call, int64_t b);
+  // Sums this rank's slice [lo, hi) of block b over the ranks into out, in the accumulation dtype.
+  void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, int64_t hi,
+                 void* out);
+  // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
+  void copy_out(const AllreduceCall& call, uint64_t step, int64_t b);
+  void allreduce_in_node(AllreduceCall& call, bool one_shot);
+  void allreduce_across_nodes(AllreduceCall& call);
+
   // Raises if an earlier call failed here or on a peer; then the call may start.
   void begin_call();
   // Starts the next step of a node-local call: fill writes this rank's block into its input
@@ -228,30 +200,20 @@ class ShmAllreduce {
   bool may_run(int k, Schedule s) const;
   int timed_class(size_t bytes) const;  // -1 when the size is not timed
   static Schedule scheduled(uint64_t mask, int k);
+  // The schedule of an all-reduce of this many bytes in the wire dtype; timed: its class, or -1.
+  Schedule schedule_for(size_t bytes, int timed) const;
   // A call's description, with local rank 0's choice of schedules for the calls after it.
   CallMeta call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
                      int root);
   // Every rank reads local rank 0's choice after a call's first step, whatever the call.
   void agree_on_schedules(uint64_t first_step);
   // Local rank 0 only: counts a call's time and chooses its class's schedule for the calls after.
-  void time_schedule(int k, Schedule ran, size_t bytes, WaitClock::duration took);
-  std::string rank_name(int local) const;
-  [[noreturn]] void fail(const std::string& message);
-  void check_not_aborted() const;
+  void time_schedule(int k, Schedule ran, size_t bytes, Clock::duration took);
 
-  std::shared_ptr<ShmSegment> segment_;
-  ShmLayout layout_;
-  int me_;
-  std::vector<int> ranks_;
+  ShmChannel channel_;
   std::atomic<size_t> one_shot_bytes_;
-  std::chrono::milliseconds timeout_;
-  std::chrono::milliseconds call_timeout_{0};
-  Header* header_;
-  RankControl* control_;
-  char* data_;
   uint64_t step_ = 0;
   uint64_t calls_ = 0;
-  std::string failure_;
   std::shared_ptr<CrossNode> cross_node_;
   size_t chunk_bytes_ = 0;
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
@@ -259,9 +221,8 @@ class ShmAllreduce {
   std::atomic<Steps> steps_{Steps::Narrow};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint64_t> schedules_{0};
-  bool wide_steps_ = false;  // whether this call goes in wide steps
-  uint64_t agreed_ = 0;      // local rank 0's mask, read at this call's first step
-  uint64_t chosen_ = 0;      // local rank 0's own choice, published with each call
+  uint64_t agreed_ = 0;  // local rank 0's mask, read at this call's first step
+  uint64_t chosen_ = 0;  // local rank 0's own choice, published with each call
   // Local rank 0's measurements per class: for each schedule, a moving average of the time per
   // byte since its last trial began, and how many calls it counted; which ran last, how many
   // calls in a row, and how many trials of a slower one there were.
@@ -273,10 +234,6 @@ class ShmAllreduce {
     uint32_t trials = 0;
   };
   ScheduleTimes times_[kClasses];
-  bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
-  WaitClock::time_point yields_banned_until_{};
-  std::chrono::milliseconds yield_ban_;
-  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
 };
 
 }  // namespace ddpx

@@ -11,7 +11,12 @@ import os
 CPP_SOURCES = (
     "kernels.cpp",
     "kernels_avx2.cpp",
+    "shm_segment.cpp",
+    "shm_channel.cpp",
     "shm_allreduce.cpp",
+    "shm_schedules.cpp",
+    "shm_hierarchical.cpp",
+    "shm_collectives.cpp",
     "engine.cpp",
     "backend.cpp",
     "ops.cpp",

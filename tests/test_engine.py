@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from distributed import run_ranks
 
@@ -183,7 +184,8 @@ def silent_peer(rank, world):
         time.sleep(4)
         return None
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 0 timed out after 1.* rank\(s\) 1 .*test call"):
+    with pytest.raises(dist.DistBackendError,
+                       match=r"rank 0 timed out after 1 s .* rank\(s\) 1 .*test call"):
         engine.run(torch.ones(10), 1.0, None, "test call")
     return time.monotonic() - start
 
@@ -201,9 +203,9 @@ def dead_peer(rank, world):
     engine = engine_for(None)
     if rank == 1:
         os._exit(0)
-    with pytest.raises(RuntimeError, match=r"rank 1 \(pid \d+\) exited"):
+    with pytest.raises(dist.DistBackendError, match=r"rank 1 \(pid \d+\) exited"):
         engine.run(torch.ones(10), 1.0, None, "test call")
-    with pytest.raises(RuntimeError, match="unusable"):
+    with pytest.raises(dist.DistBackendError, match="unusable"):
         engine.run(torch.ones(10), 1.0, None, "next call")
 
 

@@ -1,0 +1,147 @@
+// How the ranks of one node hand each other blocks through a shared-memory segment, and wait
+// for each other.
+//
+// Every rank owns two input slots in the segment, and the node two float32 output slots; a call
+// goes through in steps, alternating slots, so a rank fills its next block while its peers still
+// read the last one. Each rank publishes a monotonic counter per phase when its part of a step
+// is in; readers wait for every peer's counter, never for a global barrier. Reusing a slot needs
+// no extra synchronisation: a rank writes step s's slots only after every peer has arrived at
+// step s-1, which each does only after it finished reading step s-2, the last user of those
+// slots.
+//
+// A wait spins, yields or sleeps on a futex depending on where the ranks may run (see wait_all
+// in the .cpp); every wait is bounded, ends when a peer's process exits, and once one rank gives
+// up every other rank's wait ends with its reason.
+#pragma once
+
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+#include "shm_segment.h"
+
+namespace ddpx {
+
+constexpr int kMaxLocalRanks = kMaxSources;
+
+// What the segment holds, for this many ranks and steps of this many bytes.
+struct ShmLayout {
+  int nranks;
+  size_t block_bytes;  // bytes of one rank's narrow block, in the wire dtype
+  size_t wide_bytes;   // bytes of a wide one, a multiple of block_bytes; the slots hold one
+
+  size_t segment_bytes() const;
+  static size_t control_offset();
+  size_t data_offset() const;
+};
+
+// What a rank says about the call that starts at a step, for its peers to check against theirs.
+struct CallMeta {
+  uint64_t call;
+  int64_t numel;  // -1: this rank rejected its input (its message says why); bytes if untyped
+  int32_t dtype;  // -1 for the collectives that move bytes
+  int32_t wire;
+  double scale;
+  int32_t op;          // what the engine calls the collective
+  int32_t root;        // broadcast's source rank, else 0
+  uint64_t schedules;  // local rank 0's only: the schedule mask of the calls after this one
+};
+
+class ShmChannel {
+ public:
+  enum class Phase { Arrive, Reduce };
+  using Clock = std::chrono::steady_clock;
+
+  // ranks[i] is the process-group rank of local rank i, used in error messages. The creator of the
+  // segment passes initialize=true before anyone else attaches.
+  ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
+             std::vector<int> ranks, std::chrono::milliseconds timeout, bool initialize);
+
+  int size() const { return layout_.nranks; }
+  int me() const { return me_; }
+  const ShmLayout& layout() const { return layout_; }
+  char* input_slot(int rank, uint64_t step) const;
+  char* output_slot(uint64_t step) const;
+
+  // This rank's description of the call that starts at step, and a peer's.
+  void post(uint64_t step, const CallMeta& meta);
+  const CallMeta& posted(int rank, uint64_t step) const;
+  // Why this rank rejected its input, for its peers' errors; and a peer's reason.
+  void set_message(const std::string& text);
+  std::string message(int rank) const;
+
+  void publish(Phase phase, uint64_t step);
+  // Returns once every peer has published step in phase. wide: the call goes in wide steps,
+  // whose peers publish too seldom to be judged descheduled by their silence.
+  void wait_all(Phase phase, uint64_t step, const std::string& what, bool wide = false);
+
+  // Raises if an earlier call failed here or on a peer; then reads this rank's binding.
+  void begin_call();
+  // Gives up: every peer's wait ends with message, then on_fail(message) runs, then this throws
+  // it (DistBackendError). The channel is unusable after this.
+  [[noreturn]] void fail(const std::string& message);
+  void set_on_fail(std::function<void(const std::string&)> on_fail) {
+    on_fail_ = std::move(on_fail);
+  }
+  std::string rank_name(int local) const;
+
+  // What this rank's waits for its peers have done so far.
+  struct WaitStats {
+    uint64_t waited_ns;    // time spent in waits, spinning, yielding or asleep
+    uint64_t waits;        // synchronisations at which some peer was not there yet
+    uint64_t sleeps;       // futex sleeps
+    uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
+    uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
+  };
+  WaitStats wait_stats() const;
+  // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
+  std::string wait_policy() const;
+  // Bounds the waits of the calls made until it is reset (zero: the channel's own timeout).
+  void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
+
+  // What the segment starts with, and each rank's part of it (defined in the .cpp).
+  struct Header;
+  struct RankControl;
+
+ private:
+  std::atomic<uint64_t>& counter(int rank, Phase phase) const;
+  bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
+  bool peers_at(Phase phase, uint64_t step) const;
+  bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
+  // How many CPUs the local ranks may run on together, as each last published its binding.
+  int ranks_cpu_count() const;
+  // Whether no rank still awaited has published since since_ns (steady clock): all seem to be
+  // off their CPUs, descheduled, rather than working.
+  bool awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const;
+  // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
+  bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
+  // The first two stages of wait_all, from the wait's start; true when the peers are there.
+  bool yield_while_cheap(Phase phase, uint64_t step, Clock::time_point start);
+  bool spin_while_running(Phase phase, uint64_t step, Clock::time_point start, bool wide);
+  void check_not_aborted() const;
+
+  std::shared_ptr<ShmSegment> segment_;
+  ShmLayout layout_;
+  int me_;
+  std::vector<int> ranks_;
+  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds call_timeout_{0};
+  Header* header_;
+  RankControl* control_;
+  char* data_;
+  std::string failure_;
+  std::function<void(const std::string&)> on_fail_;
+  bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
+  Clock::time_point yields_banned_until_{};
+  std::chrono::milliseconds yield_ban_;
+  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
+};
+
+}  // namespace ddpx

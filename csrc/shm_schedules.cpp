@@ -1,0 +1,162 @@
+// How the one-node all-reduce picks its schedule per size class, and how local rank 0 times the
+// schedules for all when the steps are timed.
+#include <algorithm>
+
+#include "shm_allreduce.h"
+
+namespace ddpx {
+namespace {
+
+// Local rank 0 tries a schedule it times slower after every this many calls of a class in the
+// fastest, so that a change in the machine's load shows, less often when it was far slower; a
+// trial is this many calls, the first of them not counted.
+constexpr uint32_t kRetryEvery = 32;
+constexpr uint32_t kRetryFarSlowerEvery = 128;
+constexpr double kFarSlower = 1.5;
+constexpr uint32_t kTrialCalls = 3;
+
+// The ranges of classes whose bit is set in the mask's word at shift, merged, as "a-b KiB".
+std::string class_ranges(uint64_t mask, int shift) {
+  std::string out;
+  for (int k = 0; k < 32;) {
+    if (!(mask >> (shift + k) & 1)) {
+      ++k;
+      continue;
+    }
+    int last = k;
+    while (last + 1 < 32 && (mask >> (shift + last + 1) & 1)) ++last;
+    out += (out.empty() ? "" : ", ") + std::to_string((size_t(1) << k) >> 10) + "-" +
+           (last == 31 ? std::string("") : std::to_string((size_t(2) << last) >> 10)) + " KiB";
+    k = last + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int ShmAllreduce::size_class(size_t bytes) {
+  return bytes < 2 ? 0 : std::min(kClasses - 1, 63 - __builtin_clzll(bytes - 1));
+}
+
+bool ShmAllreduce::may_run(int k, Schedule s) const {
+  const size_t lo = size_t(1) << k, hi = 2 * lo;  // class k is (lo, hi]
+  switch (s) {
+    case kNarrow:
+      return true;
+    case kWide:
+      return !cross_node_ && wide_bytes() > block_bytes() && lo >= block_bytes();
+    case kOneShot:
+      return !cross_node_ && lo >= kOneShotAlways && hi <= one_shot_bytes();
+    default:
+      return false;
+  }
+}
+
+int ShmAllreduce::timed_class(size_t bytes) const {
+  const int k = size_class(bytes);
+  return bytes > kOneShotAlways && (may_run(k, kWide) || may_run(k, kOneShot)) ? k : -1;
+}
+
+ShmAllreduce::Schedule ShmAllreduce::scheduled(uint64_t mask, int k) {
+  return mask >> (32 + k) & 1 ? kOneShot : mask >> k & 1 ? kWide : kNarrow;
+}
+
+// Local rank 0 decides for all, from its own times: after the first step the ranks work in step,
+// so its time is the call's. A schedule is tried in a run of consecutive calls of the class whose
+// first is not counted, as it finds the schedule's slots cold after another ran; the rest start
+// its average afresh, so a trial stands for the schedule as the machine is now. A class's first
+// runs try each schedule that may serve it in turn; then the fastest goes on, and every
+// kRetryEvery of its calls (kRetryFarSlowerEvery when the one due was far slower) the others
+// take turns at a trial.
+void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, Clock::duration took) {
+  ScheduleTimes& t = times_[k];
+  Schedule candidates[kSchedules];
+  int n = 0;
+  for (int s = 0; s < kSchedules; ++s) {
+    if (may_run(k, Schedule(s))) candidates[n++] = Schedule(s);
+  }
+  auto fastest = [&] {
+    Schedule best = candidates[0];
+    for (int i = 1; i < n; ++i) {
+      if (t.ns_per_byte[candidates[i]] < t.ns_per_byte[best]) best = candidates[i];
+    }
+    return best;
+  };
+  const bool explored = std::all_of(candidates, candidates + n, [&](Schedule s) {
+    return t.timed[s] > 0;
+  });
+  if (ran != t.last && explored && ran != fastest()) ++t.trials;
+  t.run = ran == t.last ? t.run + 1 : 1;
+  t.last = ran;
+  if (t.run > 1) {
+    const double ns_per_byte = double(std::chrono::nanoseconds(took).count()) / double(bytes);
+    double& average = t.ns_per_byte[ran];
+    average = t.run == 2 ? ns_per_byte : average + (ns_per_byte - average) / 4;
+    ++t.timed[ran];
+  }
+
+  Schedule next = ran;
+  if (t.run >= kTrialCalls) {
+    const Schedule* untried =
+        std::find_if(candidates, candidates + n, [&](Schedule s) { return t.timed[s] == 0; });
+    if (untried != candidates + n) {
+      next = *untried;
+    } else {
+      const Schedule best = fastest();
+      next = best;
+      if (ran == best && n > 1) {
+        Schedule others[kSchedules];
+        int m = 0;
+        for (int i = 0; i < n; ++i) {
+          if (candidates[i] != best) others[m++] = candidates[i];
+        }
+        const Schedule due = others[t.trials % uint32_t(m)];
+        const bool far = t.ns_per_byte[due] > kFarSlower * t.ns_per_byte[best];
+        if (t.run >= (far ? kRetryFarSlowerEvery : kRetryEvery)) next = due;
+      }
+    }
+  }
+  const uint64_t wide = uint64_t(1) << k, one_shot = uint64_t(1) << (32 + k);
+  chosen_ &= ~(wide | one_shot);
+  if (next == kWide) chosen_ |= wide;
+  if (next == kOneShot) chosen_ |= one_shot;
+}
+
+ShmAllreduce::Schedule ShmAllreduce::schedule_for(size_t bytes, int timed) const {
+  if (timed >= 0) return scheduled(agreed_, timed);
+  if (!cross_node_ && bytes <= always_one_shot_bytes()) return kOneShot;
+  if (steps() == Steps::Wide && may_run(size_class(bytes), kWide)) return kWide;
+  return kNarrow;
+}
+
+CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
+                                               int32_t wire, double scale, int root) {
+  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_};
+}
+
+void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
+  agreed_ = channel_.posted(0, first_step).schedules;
+}
+
+std::string ShmAllreduce::wide_sizes() const {
+  const Steps steps = this->steps();
+  if (!may_run(kClasses - 1, kWide) || steps == Steps::Narrow) return "";
+  if (steps == Steps::Wide) return "over " + std::to_string(block_bytes() >> 10) + " KiB";
+  return class_ranges(schedules_.load(std::memory_order_relaxed), 0);
+}
+
+size_t ShmAllreduce::always_one_shot_bytes() const {
+  if (cross_node_) return 0;
+  return steps() == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
+}
+
+std::string ShmAllreduce::one_shot_sizes() const {
+  if (cross_node_) return "";
+  const size_t fixed = always_one_shot_bytes();
+  std::string out = fixed ? "up to " + std::to_string(fixed >> 10) + " KiB" : "";
+  if (steps() != Steps::Timed) return out;
+  const std::string timed = class_ranges(schedules_.load(std::memory_order_relaxed), 32);
+  return out.empty() || timed.empty() ? out + timed : out + ", " + timed;
+}
+
+}  // namespace ddpx
