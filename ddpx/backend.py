@@ -26,7 +26,13 @@ from torch._C._distributed_c10d import (
 )
 
 from ddpx._ext import extension
-from ddpx.engine import _Meeting, create_node_engine, lane_groups, resolve_group
+from ddpx.engine import (
+    SharedMemoryUnavailable,
+    _Meeting,
+    create_node_engine,
+    lane_groups,
+    resolve_group,
+)
 
 __all__ = ["NAME", "backend_of"]
 
@@ -55,10 +61,11 @@ def _create_backend(options, _backend_options):
         me = lane_ranks.index(ranks[rank])
         return lane_groups(lane_ranks, lambda r, lane: _lane_group(store, r, lane, timeout, me))
 
-    engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout, across)
-    why_not = ""
-    if isinstance(engine, str):
-        engine, why_not = None, engine
+    engine, why_not = None, ""
+    try:
+        engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout, across)
+    except SharedMemoryUnavailable as why:
+        why_not = str(why)
         if rank == 0:
             logger.warning("ddpx: %s; the ddpx backend runs every collective on gloo", why_not)
     return extension().Backend(rank, size, gloo, engine, why_not)

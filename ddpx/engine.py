@@ -13,6 +13,7 @@ where the extension was built with its kernels, else to the process group's all-
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import secrets
@@ -138,13 +139,13 @@ class _Meeting:
         return cls(dist.distributed_c10d._get_default_store(),
                    f"ddpx/{group.group_name}/{generation}")
 
-    def put(self, key: str, value: str) -> None:
-        self.store.set(f"{self.prefix}/{key}", value)
+    def put(self, key: str, value) -> None:
+        self.store.set(f"{self.prefix}/{key}", json.dumps(value))
 
-    def get(self, key: str, rank: int) -> str:
+    def get(self, key: str, rank: int):
         """What global rank ``rank`` put at ``key``, waiting for it up to the store's timeout."""
         try:
-            return self.store.get(f"{self.prefix}/{key}").decode()
+            return json.loads(self.store.get(f"{self.prefix}/{key}"))
         except RuntimeError as error:  # a timeout (DistStoreError, or FileStore's own) or a
             # store that went away: either way the rank never got here
             raise RuntimeError(
@@ -175,15 +176,19 @@ def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
     return C.ShmSegment.create(name, nbytes), wide_bytes
 
 
+class SharedMemoryUnavailable(Exception):
+    """Why shared memory cannot serve a group, the same on every rank of it: the caller falls
+    back to the process group's collectives."""
+
+
 def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, ranks: list[int],
                        timeout: timedelta, across_nodes):
-    """Every rank of a node (``local``: its group ranks) returns its engine, or all return the
-    reason why shared memory cannot serve. ``ranks`` maps group ranks to global ones."""
+    """Every rank of a node (``local``: its group ranks) returns its engine, or all raise
+    SharedMemoryUnavailable. ``ranks`` maps group ranks to global ones."""
     C = extension()
     size, index = len(local), local.index(me)
     names = [ranks[r] for r in local]
-    layout = meeting.get("layout", ranks[0])
-    block_bytes, wide_bytes, one_shot_bytes = (int(v) for v in layout.split())
+    block_bytes, wide_bytes, one_shot_bytes = meeting.get("layout", ranks[0])
     if across_nodes:  # the nodes would have to agree on every call's steps: narrow ones only
         wide_bytes = block_bytes
     if index == 0:
@@ -195,36 +200,37 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
-            meeting.put(f"segment/{node}", f"error {error}")
+            meeting.put(f"segment/{node}", {"error": str(error)})
             C.ShmSegment.unlink(name)
-            return str(error)
-        meeting.put(f"segment/{node}", f"ok {name} {wide_bytes}")
+            raise SharedMemoryUnavailable(str(error)) from None
+        meeting.put(f"segment/{node}", {"name": name, "wide_bytes": wide_bytes})
         try:
-            verdicts = [meeting.get(f"attached/{node}/{i}", names[i])
+            failures = [meeting.get(f"attached/{node}/{i}", names[i])
                         for i in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
     else:
-        status, _, name = meeting.get(f"segment/{node}", names[0]).partition(" ")
-        if status != "ok":
-            return name
-        name, wide = name.split()
-        wide_bytes = int(wide)
-        engine, verdict = None, "ok"
+        segment_of_node = meeting.get(f"segment/{node}", names[0])
+        if "error" in segment_of_node:
+            raise SharedMemoryUnavailable(segment_of_node["error"])
+        wide_bytes = segment_of_node["wide_bytes"]
+        engine, failure = None, None
         try:
-            segment = C.ShmSegment.attach(name,
+            segment = C.ShmSegment.attach(segment_of_node["name"],
                                           C.shm_segment_bytes(size, block_bytes, wide_bytes))
             engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, index, names,
                                        one_shot_bytes, timeout.total_seconds(), False, across_nodes,
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001
-            verdict = f"rank {ranks[me]} could not map the segment: {error}"
-        meeting.put(f"attached/{node}/{index}", verdict)
-        verdicts = [verdict if i == index else meeting.get(f"attached/{node}/{i}", names[i])
+            failure = f"rank {ranks[me]} could not map the segment: {error}"
+        meeting.put(f"attached/{node}/{index}", failure)
+        failures = [failure if i == index else meeting.get(f"attached/{node}/{i}", names[i])
                     for i in range(1, size)]
-    failed = [v for v in verdicts if v != "ok"]
-    return failed[0] if failed else engine
+    failures = [f for f in failures if f is not None]
+    if failures:
+        raise SharedMemoryUnavailable(failures[0])
+    return engine
 
 
 def _node_identity() -> str:
@@ -262,12 +268,13 @@ def _across_nodes(ranks: list[int]) -> list:
 def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: timedelta,
                        across_nodes):
     """The shared-memory engine of the group whose global ranks are ``ranks`` (this rank is
-    ``ranks[me]``), made collectively through ``meeting``, or the reason why shared memory
-    cannot serve it, the same on every rank. ``across_nodes(lane_ranks)`` makes the process
-    groups between nodes, for a group that spans several."""
+    ``ranks[me]``), made collectively through ``meeting``; the reason why shared memory
+    cannot serve it is raised as SharedMemoryUnavailable, the same on every rank.
+    ``across_nodes(lane_ranks)`` makes the process groups between nodes, for a group that spans
+    several."""
     size = len(ranks)
     if me == 0:
-        meeting.put("layout", f"{_BLOCK_KB * 1024} {_WIDE_KB * 1024} {_ONE_SHOT_KB * 1024}")
+        meeting.put("layout", [_BLOCK_KB * 1024, _WIDE_KB * 1024, _ONE_SHOT_KB * 1024])
     meeting.put(f"node/{me}", _node_identity())
     nodes = [meeting.get(f"node/{r}", ranks[r]) for r in range(size)]
     names = list(dict.fromkeys(nodes))
@@ -280,29 +287,33 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
             "with the same --nproc_per_node / --num_processes")
     index = members[node].index(me)
     across = across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else []
-    result = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
+    engine, failure = None, None
+    try:
+        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
+    except SharedMemoryUnavailable as why:
+        failure = str(why)
     # One node without shared memory makes every node fall back: the paths must match.
-    meeting.put(f"usable/{me}", "ok" if not isinstance(result, str) else result)
-    reasons = [meeting.get(f"usable/{r}", ranks[r]) for r in range(size)]
-    failed = [r for r in reasons if r != "ok"]
-    if failed:
-        reason = f"shared memory is unavailable: {failed[0]}"
+    meeting.put(f"usable/{me}", failure)
+    failures = [f for f in (meeting.get(f"usable/{r}", ranks[r]) for r in range(size))
+                if f is not None]
+    if failures:
+        reason = f"shared memory is unavailable: {failures[0]}"
         if settings.flag("DDPX_STRICT"):
             raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
-        return reason
-    return result
+        raise SharedMemoryUnavailable(reason)
+    return engine
 
 
 def _create_engine(group, timeout: timedelta | None):
     timeout = timeout if timeout is not None else _group_timeout(group)
     me = dist.get_rank(group)
-    result = create_node_engine(_Meeting.of_group(group), me,
-                                dist.get_process_group_ranks(group), timeout, _across_nodes)
-    if not isinstance(result, str):
-        return result
-    if me == 0:
-        logger.warning("ddpx: %s; using the process group's all-reduce instead", result)
-    return extension().make_process_group_engine(group, result)
+    try:
+        return create_node_engine(_Meeting.of_group(group), me,
+                                  dist.get_process_group_ranks(group), timeout, _across_nodes)
+    except SharedMemoryUnavailable as why:
+        if me == 0:
+            logger.warning("ddpx: %s; using the process group's all-reduce instead", why)
+        return extension().make_process_group_engine(group, str(why))
 
 
 def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):
