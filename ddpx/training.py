@@ -25,7 +25,7 @@ __all__ = [
     "whole_lines",
 ]
 
-COMM_HOOKS = ("ddpx", "ddpx-bf16", "default", "fp16")
+COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
 
 
@@ -36,7 +36,9 @@ def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", type=int, default=steps, help="training steps")
     parser.add_argument(
-        "--comm_hook", choices=COMM_HOOKS, default="ddpx", help="who all-reduces the gradients"
+        "--comm_hook", choices=COMM_HOOKS, default="ddpx",
+        help="who all-reduces the gradients: ddpx's fused hook (-bf16, -fp16: that wire, float32 "
+             "accumulation), DDP's default all-reduce, or torch's fp16 compression hook"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.02)
@@ -95,8 +97,8 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     if not isinstance(model, DistributedDataParallel):
         return ("none (1 process: no DDP wrapper, no gradients to exchange); "
                 f"2 CPU processes: {_two_process_command()}")
-    if name in ("ddpx", "ddpx-bf16"):
-        compression = "bf16" if name == "ddpx-bf16" else None
+    if name.startswith("ddpx"):
+        compression = name.partition("-")[2] or None
         return ddpx.register_fused_hook(model, compression=compression).describe()
     if name == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
@@ -104,7 +106,7 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     backend = dist.get_backend()
     if "ddpx" not in backend:
         return f"DDP default all-reduce ({backend})"
-    path = dist.group.WORLD._get_backend(torch.device("cpu")).describe()
+    path = ddpx.backend_of().describe()
     return f"DDP default all-reduce ({backend}: {path})"
 
 

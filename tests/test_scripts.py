@@ -35,6 +35,7 @@ COMM_PATHS = {
     "default": "comm path: DDP default all-reduce (gloo)",
     "fp16": "comm path: torch fp16_compress_hook",
     "ddpx-bf16": "; bfloat16\n",
+    "ddpx-fp16": "; float16\n",
 }
 
 
@@ -83,7 +84,8 @@ def final_state(stdout: str) -> tuple[str, str]:
             re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "ddpx-bf16", "default", "fp16"])
+@pytest.mark.parametrize("comm_hook", ["ddpx", "ddpx-bf16", "default", "fp16",
+                                       pytest.param("ddpx-fp16", marks=pytest.mark.slow)])
 def test_basic_two_processes(comm_hook):
     stdout = accelerate_launch("basic.py", "--comm_hook", comm_hook)
     check_training(stdout, 2, COMM_PATHS[comm_hook])
