@@ -15,8 +15,9 @@ RUNNABLE = {found.group(1): found.group(0)
                                      README, re.S | re.M)}
 
 
-def test_the_readme_has_its_two_runnable_examples():
+def test_every_python_block_of_the_readme_is_a_runnable_example():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
+    assert README.count("```python\n") == len(RUNNABLE)
 
 
 @pytest.mark.parametrize("name, expected", [
