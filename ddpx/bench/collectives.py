@@ -1,10 +1,44 @@
 """`ddpx-bench collectives`: the torch.distributed collectives on the gloo world and on a group of
 the same ranks with ddpx's backend (the all-reduce also by ddpx.all_reduce), each checked against
 a reference, then timed in turns, cell by cell; the calls ddpx's backend served by its engine and
-by gloo (its routes())."""
+by gloo (its routes()).
+
+At least a minute on 2 cores (54 engines and cells of --min_time 1 s each).
+
+    ddpx-bench collectives --json bench_out/collectives.json --plot bench_out/collectives.png
+    ddpx-bench collectives --world_sizes 2 --sizes 4K,64K --iters 3 --min_time 0.05
+    ddpx-bench collectives --collectives all_reduce,all_gather,reduce_scatter,barrier
+
+In detail: each of --collectives called through torch.distributed, on the gloo world and on a
+group of the same ranks with ddpx's backend (`import ddpx` registers it: dist.new_group(ranks,
+backend="ddpx")), in the same processes, for float32 inputs of each of --sizes (default
+64K,1M,25M) on each of --world_sizes: `all_reduce` (an in-place sum; also by ddpx.all_reduce, the
+engine's own API, as a third engine), `all_gather_into_tensor` and `all_gather` (the list form;
+every rank's input of `size` bytes, an output of world size x size), `reduce_scatter_tensor` and
+`reduce_scatter` (the list form; an input of `size` bytes, an output of size / world size, left
+out where the input does not split evenly), `broadcast` (from rank 0) and `barrier` (no data: one
+cell per world size). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
+broadcast. all_gather_into_tensor and reduce_scatter_tensor are called as all_gather_single and
+reduce_scatter_single where torch has those (the same calls, without a deprecation warning). In
+each cell (world size, collective, size), as for allreduce:
+  - each engine runs it once on random inputs, and every rank's result is compared with the
+    reference: a float64 sum for all_reduce and the reduce_scatters (within allreduce's
+    tolerance; ddpx's all-reduces must also give every rank the same bits), the inputs themselves,
+    bit for bit, for the gathers and broadcast; for the barrier, the last rank enters it 10 ms
+    late and no rank may leave it before. A wrong result stops the run with exit status 1;
+  - then the engines take turns timing it on zero-filled inputs, --iters samples each, a sample
+    the slowest rank's mean time per call in a batch begun right after a barrier.
+Reported per cell: each engine's median in ms; gloo/ddpx = gloo's median / ddpx's (bigger: ddpx
+faster); ddpx/ddpx.all_reduce = the ddpx backend's median / ddpx.all_reduce's (bigger: the engine's
+own API faster); and which path served the ddpx backend's calls of the cell, from its routes()
+(`engine`, `gloo`, or both with their counts); the JSON holds p10-p90 and the counts. A footer
+says what the sizes mean, the notes the path (describe()) of the ddpx backend and of
+ddpx.all_reduce. Where ddpx registers no backend, the ddpx column is left out with a note.
+"""
 
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,6 +58,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     timed_in_turns,
 )
+from ddpx.bench.mode import Mode, choice_list, size_list, timing_options
+from ddpx.bench.report import PER_CALL, format_ms, format_ratio, format_served, pyplot
 from ddpx.engine import engine_for
 
 COLLECTIVES = (
@@ -291,3 +327,122 @@ def _check_barrier(name: str, call, nodes: int) -> dict:
             f"rank {last} entered it"
         )
     return {**unchecked, "check": "barrier"}
+
+
+def _collectives_table(rows: list[dict]) -> list[str]:
+    """One line per cell (world size, collective, size): each engine's median side by side."""
+    fused = "ddpx.all_reduce"
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["world_size"], row["collective"], row["size_bytes"]), {})[
+            row["engine"]
+        ] = row
+    header = (
+        f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
+        f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  ddpx served by"
+    )
+    lines = [header, "-" * len(header)]
+    for (world_size, collective, size), engines in cells.items():
+        gloo, ddpx, by_fused = (engines.get(name) for name in ("gloo", "ddpx", fused))
+        lines.append(
+            f"{world_size:>5}  {collective:<22}  "
+            f"{'-' if size is None else format_size(size):>6}  "
+            f"{format_ms(gloo['median_ms']):>9}  {format_ms(ddpx and ddpx['median_ms']):>9}  "
+            f"{format_ms(by_fused and by_fused['median_ms']):>18}  "
+            f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
+            f"{format_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  {format_served(ddpx)}"
+        )
+    lines += [
+        "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
+        "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
+        "from rank 0; barrier: no data",
+        "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
+        "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
+        "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, timed) "
+        "on its engine and through gloo",
+    ]
+    return lines
+
+
+def plot_collectives(rows: list[dict], path: Path) -> None:
+    """Median time against size, log-log, per collective: a line per engine and world size; the
+    barrier's against the world size."""
+    plt = pyplot()
+    collectives = list(dict.fromkeys(row["collective"] for row in rows))
+    columns = min(3, len(collectives))
+    grid_rows = -(-len(collectives) // columns)
+    lines = ("-", "--", ":", "-.")  # one per world size
+    figure, axes = plt.subplots(
+        grid_rows, columns, figsize=(6 * columns, 4.5 * grid_rows), squeeze=False
+    )
+    world_sizes = sorted({row["world_size"] for row in rows})
+    engines = list(dict.fromkeys(row["engine"] for row in rows))
+    for ax, collective in zip(axes.flat, collectives, strict=False):
+        barrier = collective == "barrier"
+        for color, engine in enumerate(engines):
+            series = world_sizes if not barrier else [None]
+            for line, world_size in enumerate(series):
+                cells = [
+                    row for row in rows
+                    if (row["collective"], row["engine"]) == (collective, engine)
+                    and world_size in (None, row["world_size"])
+                ]
+                if not cells:
+                    continue
+                x = [row["world_size" if barrier else "size_bytes"] for row in cells]
+                label = engine if barrier else f"{engine}, {world_size} ranks"
+                ax.plot(x, [row["median_ms"] for row in cells], lines[line % len(lines)],
+                        marker="o", color=f"C{color}", label=label)
+                low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+                ax.fill_between(x, low, high, color=f"C{color}", alpha=0.2)
+        if barrier:
+            ax.set(yscale="log", title="barrier", xlabel="ranks")
+            ax.set_xticks(world_sizes)
+        else:
+            sizes = sorted({row["size_bytes"] for row in rows if row["collective"] == collective})
+            ax.set(xscale="log", yscale="log", title=collective,
+                   xlabel="bytes of each rank's input")
+            ax.set_xticks(sizes, [format_size(size) for size in sizes])
+            ax.minorticks_off()
+        ax.set_ylabel("ms per call (median, p10-p90)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(collectives):]:
+        ax.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+class Collectives(Mode):
+    name = "collectives"
+    help = "time the torch.distributed collectives on gloo and on ddpx's backend"
+    measured = {"timing": PER_CALL}
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--sizes",
+            type=size_list,
+            default=size_list("64K,1M,25M"),
+            help="comma-separated sizes of each rank's input in bytes, K/M/G suffixes "
+            "(default 64K,1M,25M)",
+        )
+        parser.add_argument(
+            "--collectives",
+            type=choice_list(COLLECTIVES),
+            default=list(DEFAULT_COLLECTIVES),
+            help=f"comma-separated, from {','.join(COLLECTIVES)} (default "
+            f"{','.join(DEFAULT_COLLECTIVES)})",
+        )
+        timing_options(parser)
+
+    def run(self, args):
+        return bench_collectives(args)
+
+    def table(self, rows):
+        return _collectives_table(rows)
+
+    def plot(self, rows, path):
+        plot_collectives(rows, path)
+
+
+MODE = Collectives()

@@ -3,6 +3,7 @@ in, and the helpers that the ranks of every mode run alike."""
 
 import hashlib
 import os
+import shutil
 import sys
 import time
 
@@ -37,6 +38,12 @@ MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
 
 def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def mpirun_path() -> str | None:
+    # This Python's own bin first: a virtual environment's is on PATH only when activated.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return shutil.which("mpirun", path=path)
 
 
 def progress(message: str) -> None:

@@ -2,13 +2,51 @@
 transformer over the gloo world and one over a group of the same ranks with ddpx's backend, per
 precision, taking turns step by step, timed on the slowest rank; the two models' parameters
 compared after the warm-up, and the calls ddpx's backend served by its engine and by gloo (its
-routes())."""
+routes()).
+
+About 3 minutes on 2 cores at the defaults (its bf16 cells, not run by default, about an hour on
+AVX2 cores: see below).
+
+    ddpx-bench fsdp --json bench_out/fsdp.json --plot bench_out/fsdp.png
+    ddpx-bench fsdp --world_sizes 2 --precisions fp32 --params 2M --steps 5
+    ddpx-bench fsdp --world_sizes 2 --params 200K --layers 2 --steps 5 --load 1
+
+In detail: FSDP2 training steps (forward, backward, AdamW step of --lr, default 1e-3) of a
+transformer: --layers (default 8) post-norm torch.nn.TransformerEncoderLayer of --heads (default 8)
+heads, feed-forward 4 x d_model and no dropout, and a linear head, d_model the multiple of 8 x
+--heads that comes nearest to --params parameters in all (default 25M: d_model 512, 25.5M), on
+--batch_size (default 8) sequences of --seq_len (default 64) random tokens per rank, against random
+targets (mean squared error). fully_shard shards each layer and the root once over the gloo world
+and once over a group of the same ranks with ddpx's backend (dist.new_group(ranks, backend="ddpx")),
+in the same processes, from the same parameters on the same data, for each of --precisions (default
+fp32): `fp32`, and `bf16` (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.bfloat16): bfloat16 gathers of the parameters, compute and reduce-scatters of the
+gradients, float32 sharded parameters for AdamW). In each cell (world size, precision):
+  - both models take --warmup steps (default 2), then the ddpx model's parameters are compared
+    with the gloo model's. fp32: max |diff| at most a tenth of lr x --warmup, the furthest AdamW
+    can move a parameter in the warm-up (a wrong reduction moves them about that far apart; gloo's
+    and ddpx's roundings, which differ at 3+ ranks, much less; at 2 ranks they give the same
+    bits), the attention's key biases left out (their true gradient is 0: Adam turns rounding
+    noise into steps). bf16: the updates (parameters after the warm-up minus before, as one
+    vector) have cosine at least 0.98. Models that are apart stop the run with exit status 1;
+  - then --steps timed steps each (default 10), the models taking turns step by step; a sample is
+    one step on the slowest rank, started right after a barrier.
+Reported per cell: each group's median ms per step; gloo/ddpx = gloo's median / ddpx's (bigger:
+ddpx faster); the comparison after the warm-up (same bits, max |diff| or cosine); which path served
+the ddpx backend's calls of the cell, from its routes() (FSDP2's all_gather_into_tensor and
+reduce_scatter_tensor, the comparison's all_gather_into_tensor_coalesced). The JSON holds p10-p90,
+the counts and the comparison's numbers. A CPU without bfloat16 instructions (AVX512-BF16, AMX)
+multiplies bfloat16 matrices far more slowly than float32 ones (AVX2: about 200 times), so there
+the bf16 cells time mostly the compute. Where ddpx registers no backend, its column is left out
+with a note.
+"""
 
 import copy
 import functools
 import gc
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +63,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     steps_in_turns,
 )
+from ddpx.bench.mode import Mode, choice_list, count, positive
+from ddpx.bench.report import PER_STEP, format_ms, format_ratio, format_served, pyplot, step_bars
 
 PRECISIONS = ("fp32", "bf16")
 POLICIES = {
@@ -232,3 +272,121 @@ def _check(initial: Transformer, models: dict, precision: str, warmup: int, lr: 
         raise RuntimeError(f"{message} ({bound})")
     progress(f"{message} ({bound})")
     return check
+
+
+def _fsdp_table(rows: list[dict]) -> list[str]:
+    """One line per cell (world size, precision): each group's median step side by side."""
+    cells = {}
+    for row in rows:
+        cells.setdefault((row["world_size"], row["precision"]), {})[row["engine"]] = row
+    header = (
+        f"{'ranks':>5}  {'precision':<9}  {'gloo ms/step':>12}  {'ddpx ms/step':>12}  "
+        f"{'gloo/ddpx':>9}  {'ddpx vs gloo':<20}  ddpx served by"
+    )
+    lines = [header, "-" * len(header)]
+    for (world_size, precision), engines in cells.items():
+        gloo, ddpx = engines["gloo"], engines.get("ddpx")
+        lines.append(
+            f"{world_size:>5}  {precision:<9}  {format_ms(gloo['median_ms']):>12}  "
+            f"{format_ms(ddpx and ddpx['median_ms']):>12}  "
+            f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
+            f"{_agreement(ddpx):<20}  {format_served(ddpx)}"
+        )
+    first = rows[0]
+    lines += [
+        f"TransformerEncoder of {first['params']} parameters (d_model {first['d_model']}, "
+        f"{first['heads']} heads, feed-forward {4 * first['d_model']}, {first['layers']} layers, "
+        f"linear head), fully_shard per layer and root; batch {first['batch_size']} x seq "
+        f"{first['seq_len']} per rank; AdamW; {first['warmup']} warm-up + {first['steps']} timed "
+        "steps per model",
+        "ms/step: median step; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); bf16: "
+        "bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
+        "ddpx vs gloo: the ddpx model's parameters after the warm-up against the gloo model's: "
+        "the same bits, or fp32: max |diff| (key biases apart; at most lr x warm-up steps / 10), "
+        "bf16: the cosine of the updates (at least 0.98)",
+        "ddpx served by: the ddpx backend's routes(), the calls of the cell (warm-up, check, "
+        "timed steps) on its engine and through gloo",
+    ]
+    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+    if nodes:
+        lines.append("nodes: " + ", ".join(f"{size} ranks on {count}"
+                                           for size, count in nodes.items()))
+    return lines
+
+
+def _agreement(row: dict | None) -> str:
+    if row is None or row.get("check") is None:
+        return "-"
+    if row["bit_equal"]:
+        return "same bits"
+    if row["check"] == "update_cosine":
+        return f"cosine {row['update_cosine']:.6f}"
+    return f"max |diff| {row['max_abs_diff']:.2e}"
+
+
+def plot_fsdp(rows: list[dict], path: Path) -> None:
+    """The median step per world size, a bar per group, a panel per precision."""
+    plt = pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    precisions = list(dict.fromkeys(row["precision"] for row in rows))
+    engines = list(dict.fromkeys(row["engine"] for row in rows))
+    figure, axes = plt.subplots(
+        1, len(precisions), figsize=((2 + 1.2 * len(engines) * len(world_sizes)) * len(precisions),
+                                     4.5), squeeze=False
+    )
+    for ax, precision in zip(axes[0], precisions, strict=True):
+        step_bars(ax, [row for row in rows if row["precision"] == precision], "engine")
+        ax.set(ylabel="ms per training step (median, p10-p90)",
+               title=f"FSDP2 step time, {precision}")
+        ax.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+class Fsdp(Mode):
+    name = "fsdp"
+    help = "time FSDP2 training steps on gloo and on ddpx's backend"
+    measured = {"timing": PER_STEP}
+
+    def add_arguments(self, parser):
+        parser.add_argument(
+            "--precisions",
+            type=choice_list(PRECISIONS),
+            default=["fp32"],
+            help=f"comma-separated, from {','.join(PRECISIONS)} (default fp32: bf16 is slow on "
+            "CPUs without bfloat16 instructions)",
+        )
+        parser.add_argument(
+            "--params",
+            type=count,
+            default=count("25M"),
+            help="parameters of the transformer, with K/M suffixes (powers of 1000): d_model is "
+            "the multiple of 8 x --heads that comes nearest (default 25M: d_model 512)",
+        )
+        parser.add_argument("--layers", type=int, default=8, help="encoder layers (default 8)")
+        parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+        parser.add_argument("--batch_size", type=int, default=8,
+                            help="sequences per rank (default 8)")
+        parser.add_argument("--seq_len", type=int, default=64,
+                            help="tokens per sequence (default 64)")
+        parser.add_argument("--steps", type=int, default=10,
+                            help="timed steps per model and precision")
+        parser.add_argument(
+            "--warmup",
+            type=positive,
+            default=2,
+            help="untimed steps per model and precision, after which the models are compared",
+        )
+        parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+
+    def run(self, args):
+        return bench_fsdp(args)
+
+    def table(self, rows):
+        return _fsdp_table(rows)
+
+    def plot(self, rows, path):
+        plot_fsdp(rows, path)
+
+
+MODE = Fsdp()

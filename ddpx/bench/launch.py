@@ -21,20 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpx.bench import testbed
-from ddpx.bench.accuracy import bench_accuracy
-from ddpx.bench.allreduce import (
-    add_model,
-    bench_allreduce,
-    link_bound_ms,
-    mpirun_path,
-    prebuild_deepspeed_op,
-    why_no_mpi,
-)
-from ddpx.bench.collectives import bench_collectives
-from ddpx.bench.common import MPI_WORKDIR, THREADS_PER_RANK, say
-from ddpx.bench.fsdp import bench_fsdp
-from ddpx.bench.train import bench_train
+from ddpx.bench.common import MPI_WORKDIR, THREADS_PER_RANK, mpirun_path, say
+from ddpx.bench.mode import MODES
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
 # How the ranks are placed on the cores: mpirun's --bind-to for the ranks it starts.
@@ -46,11 +34,12 @@ TESTBED_RESULT = "DDPX_BENCH_TESTBED_RESULT"
 def spawned(args, argv: list[str]) -> dict:
     """Run each world size in freshly started ranks, under the load; merge what their rank 0 wrote.
 
-    The ranks are started by mpirun when the `mpi` engine runs (MPI joins only ranks it started),
-    else by torch.multiprocessing.
+    The ranks are started by mpirun where the mode needs it (MPI joins only ranks it started:
+    allreduce's `mpi` engine), else by torch.multiprocessing.
     """
-    start = functools.partial(_mpirun, argv) if _runs_mpi(args) else _spawn
-    prebuild_deepspeed_op(args)
+    mode = MODES[args.mode]
+    start = functools.partial(_mpirun, argv) if mode.uses_mpirun(args) else _spawn
+    mode.prepare(args)
     runs = []
     with cpu_load(args.load) as load_pids:
         args.load_pids = load_pids  # for the JSON's settings
@@ -63,19 +52,14 @@ def spawned(args, argv: list[str]) -> dict:
                     start(world_size, args, workdir)
                     results.append(json.loads(Path(workdir, "result.json").read_text()))
             runs.append(_merged(results))
-    return runs[0] if len(runs) == 1 else _over_runs(runs, CELL_KEYS[args.mode])
+    return runs[0] if len(runs) == 1 else _over_runs(runs, mode)
 
 
-# What names a row's cell across runs, per mode that takes --runs.
-CELL_KEYS = {"allreduce": ("world_size", "size_bytes", "engine"), "train": ("world_size", "hook")}
-# A row's figures where a bigger one is better; the others (times) are better smaller.
-_BIGGER_IS_BETTER = ("gb_per_s", "x_vs_gloo", "x_vs_best_peer", "x_vs_default")
-
-
-def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
-    """One result of several fresh launches: a row per cell whose figures are the median over
-    the runs, with each figure's worst run beside it as worst_<figure> (the largest time, the
-    smallest ratio); every run's own result stays under "runs"."""
+def _over_runs(runs: list[dict], mode) -> dict:
+    """One result of several fresh launches: a row per cell (the mode's cell_keys) whose figures
+    are the median over the runs, with each figure's worst run beside it as worst_<figure> (the
+    largest time, the smallest ratio); every run's own result stays under "runs"."""
+    keys = mode.cell_keys
     cells = {}
     for run in runs:
         for row in run["rows"]:
@@ -90,8 +74,8 @@ def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
             if len(values) < len(same_cell):
                 continue
             row[figure] = statistics.median(values)
-            if figure.endswith("_ms") or figure in _BIGGER_IS_BETTER:
-                worst = min if figure in _BIGGER_IS_BETTER else max
+            if figure.endswith("_ms") or figure in mode.bigger_is_better:
+                worst = min if figure in mode.bigger_is_better else max
                 row[f"worst_{figure}"] = worst(values)
         rows.append(row)
     return {**_merged(runs), "rows": rows, "runs": runs}
@@ -100,8 +84,10 @@ def _over_runs(runs: list[dict], keys: tuple[str, ...]) -> dict:
 def on_testbed(args, argv: list[str]) -> dict:
     """Run each world size under each --link rate on --nodes network namespaces
     (ddpx.bench.testbed), one torchrun per node running this same command; merge what their rank 0
-    wrote, each row with its link: the rate, the TCP payload rate measured on it, and the engine's
-    bound there."""
+    wrote, each row with its link: the rate and the TCP payload rate measured on it, and what the
+    mode adds (Mode.add_link_figures)."""
+    from ddpx.bench import testbed  # root only: not loaded by the runs on this machine
+
     why_not = testbed.unavailable()
     if why_not:
         sys.exit(f"ddpx-bench: --link needs network namespaces, and {why_not}")
@@ -126,13 +112,9 @@ def on_testbed(args, argv: list[str]) -> dict:
                 result = json.loads(result_path.read_text())
             for row in result["rows"]:
                 row.update(link=rate, tcp_bits_per_s=tcp)
-                if args.mode == "allreduce" and rate != "none":
-                    row["bound_ms"] = link_bound_ms(row, testbed.bits_per_second(rate))
-                    row["x_bound"] = row["median_ms"] / row["bound_ms"]
             results.append(result)
     merged = _merged(results)
-    if args.mode == "allreduce":
-        add_model(merged["rows"])
+    MODES[args.mode].add_link_figures(merged["rows"])
     return merged
 
 
@@ -197,10 +179,6 @@ def _mpirun(argv: list[str], world_size: int, args, workdir: str) -> None:
                 mpirun.wait()
     if status:
         raise subprocess.CalledProcessError(status, f"mpirun of {world_size} ranks")
-
-
-def _runs_mpi(args) -> bool:
-    return args.mode == "allreduce" and "mpi" in args.engines and not why_no_mpi()
 
 
 def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
@@ -303,9 +281,7 @@ def cpu_load(per_core: int):
 def _run_rank(args) -> dict:
     torch.set_num_threads(THREADS_PER_RANK)
     try:
-        modes = {"allreduce": bench_allreduce, "collectives": bench_collectives,
-                 "train": bench_train, "fsdp": bench_fsdp, "accuracy": bench_accuracy}
-        result = modes[args.mode](args)
+        result = MODES[args.mode].run(args)
         dist.barrier()  # the load, if any, stops after the last rank is done
         return result
     finally:
