@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=summary,
         epilog=f"examples:\n{examples}\nddpx-bench MODE --help: the mode's options. The options "
         "every mode takes (--load, --bind, --runs)\nand the launchers: python -m pydoc "
-        "ddpx.bench.cli.\nResults and how they were measured: docs/benchmarks.md.",
+        "ddpx.bench.cli.\nThe table is printed; nothing is saved without --json (every run) or "
+        "--plot.\nResults and how they were measured: docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(nodes=None, link=[], load_pids=[])
@@ -103,7 +104,8 @@ def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
         help=f"comma-separated world sizes to spawn (default {default}; a launcher's WORLD_SIZE "
         "wins)",
     )
-    common.add_argument("--json", type=Path, help="write the results and the machine to this file")
+    common.add_argument("--json", type=Path,
+                        help="write the results and the machine here (else nothing is saved)")
     common.add_argument("--plot", type=Path, help="draw the results into this PNG")
     common.add_argument("--seed", type=int, default=0)
     common.add_argument(
