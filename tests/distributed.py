@@ -1,21 +1,27 @@
 """Runs a test body on several ranks at once: one spawned process per rank, a gloo process group
 (or NCCL, one GPU per rank) over a FileStore in a temporary folder, results (or the first error)
-back to the test."""
+back to the test. Also the launch helpers the test modules share: torchrun, two nodes side by
+side, killing a launched job."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import queue
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
 def _rank_main(rank, world_size, store_path, fn, args, results, env, backend, group_timeout=None):
@@ -108,6 +114,33 @@ def kill_job(launcher: subprocess.Popen, marker: str) -> None:
 
 def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(source: str, tmp_path) -> list[dict]:
+    """Runs the job ``source`` as two nodes of 2 ranks, one torchrun each on this machine (its
+    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        for node in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            kill_job(node, str(tmp_path))
+    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,

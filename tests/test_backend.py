@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 from test_engine import HALF_ULP, SMALL_BLOCKS, assert_close_to_sum, fingerprint
 from test_hook import SUM_ORDER_TOLERANCE
-from test_multinode import run_two_nodes
 from torch import nn
 
-from distributed import run_ranks, shm_segments, train_small_ddp
+from distributed import run_ranks, run_two_nodes, shm_segments, train_small_ddp
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.int32, torch.uint8]
