@@ -229,25 +229,11 @@ class RankPool:
             self._start()
         for tasks in self._tasks:
             tasks.put((fn, args))
-        outcome = {}
-        deadline = time.monotonic() + timeout
-        failure = None
-        while len(outcome) < self.world_size:
-            missing = [r for r in range(self.world_size) if r not in outcome]
-            exited = not any(self._procs[r].is_alive() for r in missing)
-            try:
-                # Once every missing rank has exited, whatever it sent is already queued.
-                rank, status, value = self._results.get(timeout=1.0 if exited else 0.2)
-            except queue.Empty:
-                if exited:
-                    break  # they exited without a word: reported below
-                if time.monotonic() > deadline:
-                    failure = f"ranks {missing} did not finish in {timeout} s"
-                    break
-                continue
-            outcome[rank] = (status, value)
-            if status == "error":
-                break
+        try:
+            outcome, failure = self._collect(timeout)
+        except BaseException:  # an interrupt (Ctrl-C): the ranks are mid-body, kill them now
+            self._end(grace=0)
+            raise
         errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
         if errors:
             rank, text = min(errors.items())
@@ -262,6 +248,28 @@ class RankPool:
             self._end(grace=0)
             raise AssertionError("\n".join([failure, *exits]))
         return [pickle.loads(outcome[r][1]) for r in range(self.world_size)]
+
+    def _collect(self, timeout: float) -> tuple[dict, str | None]:
+        """{rank: (status, value)} as the ranks report, until all have, one reports an error,
+        every silent rank has exited, or the timeout passes (then also a failure message)."""
+        outcome = {}
+        deadline = time.monotonic() + timeout
+        while len(outcome) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in outcome]
+            exited = not any(self._procs[r].is_alive() for r in missing)
+            try:
+                # Once every missing rank has exited, whatever it sent is already queued.
+                rank, status, value = self._results.get(timeout=1.0 if exited else 0.2)
+            except queue.Empty:
+                if exited:
+                    break  # they exited without a word: reported by run
+                if time.monotonic() > deadline:
+                    return outcome, f"ranks {missing} did not finish in {timeout} s"
+                continue
+            outcome[rank] = (status, value)
+            if status == "error":
+                break
+        return outcome, None
 
     def close(self) -> None:
         """Ends the ranks: each destroys its process group and exits (those still running after
