@@ -1,15 +1,22 @@
-"""Runs a test body on several ranks at once: one spawned process per rank, a gloo process group
+"""Runs test bodies on several ranks at once: one spawned process per rank, a gloo process group
 (or NCCL, one GPU per rank) over a FileStore in a temporary folder, results (or the first error)
-back to the test."""
+back to the test. A RankPool keeps its ranks for many bodies (conftest.py's rank_pool fixture
+shares them between tests); run_ranks starts fresh ones for one body. Also the launch helpers
+the test modules share: torchrun, two nodes side by side, killing a launched job."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import json
+import multiprocessing
 import os
 import pickle
 import queue
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -17,8 +24,12 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
-def _rank_main(rank, world_size, store_path, fn, args, results, env, backend, group_timeout=None):
+
+def _serve(rank, world_size, store_path, tasks, results, env, backend, group_timeout):
+    """A rank of a RankPool: joins the group, then runs each (fn, args) from ``tasks`` and puts
+    (rank, "ok", pickled result) or (rank, "error", traceback) in ``results``, until None."""
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -33,15 +44,33 @@ def _rank_main(rank, world_size, store_path, fn, args, results, env, backend, gr
         timeout = {} if group_timeout is None else {"timeout": timedelta(seconds=group_timeout)}
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                                 world_size=world_size, **timeout)
-        # Plain pickle copies tensors into the message; the queue's own pickler would share
-        # their memory with the parent, which breaks once this process exits.
-        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
-    except BaseException:  # noqa: BLE001 - report everything to the test
+    except BaseException:  # noqa: BLE001 - the first run reports it
         results.put((rank, "error", traceback.format_exc()))
+        return
+    try:
+        while (task := _next_task(tasks)) is not None:
+            fn, args = task
+            try:
+                # Plain pickle copies tensors into the message; the queue's own pickler would
+                # share their memory with the parent, which breaks once this process exits.
+                results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+            except BaseException:  # noqa: BLE001 - report everything to the test
+                results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
+        if dist.is_initialized():  # a body may have destroyed it
             gc.collect()  # see ddpx/bench/launch.py's _run_rank: the group must end before exit
             dist.destroy_process_group()
+
+
+def _next_task(tasks):
+    """The next task, or None when the pool closes or the test process is gone: a pytest killed
+    by a CI timeout must not leave its ranks waiting for ever."""
+    while True:
+        try:
+            return tasks.get(timeout=1)
+        except queue.Empty:
+            if not multiprocessing.parent_process().is_alive():
+                return None
 
 
 def train_small_ddp(rank: int, register=None) -> tuple[list, object]:
@@ -110,59 +139,168 @@ def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,
-              backend: str = "gloo", group_timeout: float | None = None):
-    """Runs fn(rank, world_size, *args) on world_size ranks; returns the results by rank.
-    ``backend`` may be any init_process_group string ("ddpx" and "cpu:ddpx,..." import ddpx
-    first, which registers it); ``group_timeout`` (seconds) is the group's timeout.
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    Raises AssertionError with a rank's traceback when any rank fails, when the ranks leave a
-    ddpx segment in /dev/shm, and kills every rank still running when the timeout passes (a hang
-    is a failure, never a stuck suite).
+
+def run_two_nodes(source: str, tmp_path) -> list[dict]:
+    """Runs the job ``source`` as two nodes of 2 ranks, one torchrun each on this machine (its
+    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        for node in (0, 1)]
+    try:
+        logs = [node.communicate(timeout=180)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            kill_job(node, str(tmp_path))
+    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def _segments_of(pids) -> set[str]:
+    """The ddpx segments in /dev/shm whose creator (the pid in their name) is one of ``pids``."""
+    return {name for name in shm_segments() if name.split("-")[1] in {str(p) for p in pids}}
+
+
+class RankPool:
+    """``world_size`` spawned ranks, each in one process group for its whole life (gloo, or
+    NCCL with one GPU per rank; ``backend`` may be any init_process_group string, and "ddpx"
+    and "cpu:ddpx,..." import ddpx first, which registers it; ``group_timeout`` in seconds),
+    that run function after function: ``run(fn, *args)`` runs fn(rank, world_size, *args) on
+    every rank and returns the results by rank. The ranks start at the first run.
+
+    A run that fails (a rank raises, a rank dies, the ranks leave a ddpx segment in /dev/shm, or
+    the timeout passes) raises AssertionError with the first failing rank's traceback and kills
+    the ranks, since a collective left half done would poison the next run: that one starts
+    fresh ranks, as does a run that finds a rank dead. ``close()`` (or the end of a ``with``
+    block) ends them; no rank and no segment one of them created outlives it.
     """
-    segments_before = shm_segments()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_main,
-                             args=(r, world_size, store_path, fn, args, results, env or {},
-                                   backend, group_timeout))
-                 for r in range(world_size)]
-        for p in procs:
+
+    def __init__(self, world_size: int, backend: str = "gloo", env: dict | None = None,
+                 group_timeout: float | None = None):
+        self.world_size = world_size
+        self._options = (dict(env or {}), backend, group_timeout)
+        self._procs = []
+        self._tasks = []
+        self._results = None
+        self._store_dir = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, by rank; empty before the first run and after close()."""
+        return [p.pid for p in self._procs]
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._store_dir = tempfile.TemporaryDirectory()
+        store_path = os.path.join(self._store_dir.name, "store")
+        self._results = ctx.Queue()
+        # A queue per rank: from one shared queue a rank could take another rank's task.
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        for r in range(self.world_size):
+            p = ctx.Process(target=_serve, args=(r, self.world_size, store_path, self._tasks[r],
+                                                 self._results, *self._options))
             p.start()
+            self._procs.append(p)
+
+    def run(self, fn, *args, timeout: float = 120) -> list:
+        """fn(rank, world_size, *args) on every rank; the results by rank. A hang is a failure,
+        never a stuck suite: after ``timeout`` seconds (the ranks' start included) the ranks
+        still running are killed."""
+        __tracebackhide__ = True  # pytest shows the test's line and the rank's traceback
+        if not all(p.is_alive() for p in self._procs):
+            self._end(grace=0)  # a dead rank broke the group: the others cannot leave it cleanly
+        if not self._procs:
+            self._start()
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        try:
+            outcome, failure = self._collect(timeout)
+        except BaseException:  # an interrupt (Ctrl-C): the ranks are mid-body, kill them now
+            self._end(grace=0)
+            raise
+        errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+        if errors:
+            rank, text = min(errors.items())
+            failure = f"rank {rank} failed:\n{text}"
+        elif failure is None and len(outcome) < self.world_size:
+            failure = f"only ranks {sorted(outcome)} of {self.world_size} reported"
+        elif failure is None and _segments_of(self.pids):
+            failure = f"the ranks left {sorted(_segments_of(self.pids))} in /dev/shm"
+        if failure is not None:
+            exits = [f"rank {r} exited with code {p.exitcode}"
+                     for r, p in enumerate(self._procs) if not p.is_alive()]
+            self._end(grace=0)
+            raise AssertionError("\n".join([failure, *exits]))
+        return [pickle.loads(outcome[r][1]) for r in range(self.world_size)]
+
+    def _collect(self, timeout: float) -> tuple[dict, str | None]:
+        """{rank: (status, value)} as the ranks report, until all have, one reports an error,
+        every silent rank has exited, or the timeout passes (then also a failure message)."""
         outcome = {}
         deadline = time.monotonic() + timeout
-        try:
-            while len(outcome) < world_size:
-                missing = [r for r in range(world_size) if r not in outcome]
-                exited = not any(procs[r].is_alive() for r in missing)
-                try:
-                    # Once every missing rank has exited, whatever it sent is already queued.
-                    rank, status, value = results.get(timeout=1.0 if exited else 0.2)
-                except queue.Empty:
-                    if exited:
-                        break  # they exited without a word: reported below
-                    if time.monotonic() > deadline:
-                        raise AssertionError(
-                            f"ranks {missing} did not finish in {timeout} s") from None
-                    continue
-                outcome[rank] = (status, value)
-                if status == "error":
-                    break
-            for p in procs:
-                p.join(timeout=30)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
-    if errors:
-        rank, text = min(errors.items())
-        raise AssertionError(f"rank {rank} failed:\n{text}")
-    if len(outcome) < world_size:
-        raise AssertionError(f"only ranks {sorted(outcome)} of {world_size} reported")
-    leaked = shm_segments() - segments_before
-    assert not leaked, f"the ranks left {sorted(leaked)} in /dev/shm"
-    return [pickle.loads(outcome[r][1]) for r in range(world_size)]
+        while len(outcome) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in outcome]
+            exited = not any(self._procs[r].is_alive() for r in missing)
+            try:
+                # Once every missing rank has exited, whatever it sent is already queued.
+                rank, status, value = self._results.get(timeout=1.0 if exited else 0.2)
+            except queue.Empty:
+                if exited:
+                    break  # they exited without a word: reported by run
+                if time.monotonic() > deadline:
+                    return outcome, f"ranks {missing} did not finish in {timeout} s"
+                continue
+            outcome[rank] = (status, value)
+            if status == "error":
+                break
+        return outcome, None
+
+    def close(self) -> None:
+        """Ends the ranks: each destroys its process group and exits (those still running after
+        30 s are killed)."""
+        for tasks in self._tasks:
+            tasks.put(None)
+        self._end(grace=30)
+
+    def _end(self, grace: float) -> None:
+        deadline = time.monotonic() + grace
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        # A rank killed between creating its segment and unlinking it leaves it behind.
+        for name in _segments_of(self.pids):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
+        for q in [*self._tasks, *([self._results] if self._results else [])]:
+            q.cancel_join_thread()  # what no rank will read must not block this process's exit
+            q.close()
+        if self._store_dir is not None:
+            self._store_dir.cleanup()
+        self._procs, self._tasks, self._results, self._store_dir = [], [], None, None
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,
+              backend: str = "gloo", group_timeout: float | None = None):
+    """Runs fn(rank, world_size, *args) on world_size fresh ranks, once: a RankPool for one run,
+    closed after it. Returns the results by rank; raises as RankPool.run does."""
+    with RankPool(world_size, backend, env, group_timeout) as pool:
+        return pool.run(fn, *args, timeout=timeout)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -16,9 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import job_processes, kill_job, run_ranks, shm_segments
-
-TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+from distributed import TORCHRUN, job_processes, kill_job, run_ranks, shm_segments
 
 
 def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = None,

@@ -4,19 +4,13 @@ node through that node's own segment, across nodes through the process group. Al
 compression, for groups other than the world, and with bad calls that must raise on every node."""
 
 import inspect
-import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
-from distributed import kill_job, run_ranks, shm_segments, train_small_ddp
+from distributed import run_ranks, run_two_nodes, shm_segments, train_small_ddp
 
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
     import gc, json, os, sys
     import torch, torch.distributed as dist
@@ -65,33 +59,6 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
     gc.collect()
     dist.destroy_process_group()
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_two_nodes(source: str, tmp_path) -> list[dict]:
-    """Runs the job ``source`` as two nodes of 2 ranks, one torchrun each on this machine (its
-    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [str(TORCHRUN), "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-        for node in (0, 1)]
-    try:
-        logs = [node.communicate(timeout=180)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            kill_job(node, str(tmp_path))
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
 
 
 def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import job_processes, kill_job
+from distributed import job_processes, kill_job, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -245,7 +245,7 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_
                       steps=half)
     checkpoint = tmp_path / "checkpoint.pt"
     os.mkfifo(str(checkpoint) + ".tmp")
-    segments = {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+    segments = shm_segments()
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG,
                SCRIPTS / "checkpoint.py", "--steps", STEPS, "--output_dir", tmp_path,
                "--resume_from_checkpoint", "latest", "--checkpointing_steps", half // 2]
@@ -264,7 +264,7 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_
     assert job.returncode != 0
     assert not job_processes(str(tmp_path)), "processes of the killed job are still running"
     assert torch.load(checkpoint, map_location="cpu")["step"] == half
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("ddpx-")} <= segments
+    assert shm_segments() <= segments
 
     os.unlink(str(checkpoint) + ".tmp")
     resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,
