@@ -5,12 +5,13 @@ import pytest
 from distributed import RankPool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def rank_pool():
     """``rank_pool(world_size, backend=..., env=..., group_timeout=...)``: a RankPool with those
-    settings, started once and shared by every test that asks for the same ones (spawning ranks
-    and their group costs seconds per rank on 2 cores). One pool lives at a time: asking for
-    other settings closes the last one, and the session's end closes it for good."""
+    settings, started once and shared by the module's tests that ask for the same ones (spawning
+    ranks and their group costs seconds per rank on 2 cores). One pool lives at a time: asking
+    for other settings closes the last one, and the module's end closes it, so no idle ranks
+    share the cores with the next module's processes."""
     live = {}
 
     def pool(world_size: int, backend: str = "gloo", env: dict | None = None,

@@ -94,6 +94,16 @@ def train_small_ddp(rank: int, register=None) -> tuple[list, object]:
     return [p.detach().flatten().tolist() for p in net.parameters()], registered
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie does not, nor does a process whose main thread is
+    one while its other threads still exit (waitpid cannot reap it yet, so is_alive() says yes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def job_processes(marker: str) -> list[int]:
     """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
     found = []
@@ -103,11 +113,9 @@ def job_processes(marker: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().decode(errors="replace")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in cmdline and state != "Z":
+        if marker in cmdline and alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -223,7 +231,7 @@ class RankPool:
         never a stuck suite: after ``timeout`` seconds (the ranks' start included) the ranks
         still running are killed."""
         __tracebackhide__ = True  # pytest shows the test's line and the rank's traceback
-        if not all(p.is_alive() for p in self._procs):
+        if not all(p.is_alive() and alive(p.pid) for p in self._procs):
             self._end(grace=0)  # a dead rank broke the group: the others cannot leave it cleanly
         if not self._procs:
             self._start()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool, shm_segments
+from distributed import RankPool, alive, shm_segments
 
 
 def _sum_of_ranks(rank, world):
@@ -39,15 +39,6 @@ def _rank_0_leaves_a_segment(rank, world):
 
 def _hang(rank, world):
     time.sleep(600)
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def assert_sums(pool: RankPool):
