@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <sstream>
-#include <stdexcept>
 #include <thread>
 #include <utility>
 
@@ -228,9 +227,7 @@ at::Tensor apart_from(const at::Tensor& t, const at::Tensor& other, const at::Te
   return end(t) <= begin(other) || end(other) <= begin(t) ? t : t.clone();
 }
 
-void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
-}
+void require(bool ok, const std::string& message) { TORCH_CHECK_VALUE(ok, message); }
 
 // Why a list form's tensors cannot pair with `like` (one per rank, each like it), or "".
 std::string list_error(const std::vector<at::Tensor>& list, const at::Tensor& like, int world,
@@ -295,9 +292,10 @@ Backend::Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
 }
 
-void Backend::count(const char* name, Path path) {
+void Backend::count(const char* name, Route route) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++routes_[name][path];
+  RouteCounts& counts = routes_[name];
+  ++(route == Route::kEngine ? counts.engine : counts.gloo);
   ++sequence_;
 }
 
@@ -311,7 +309,7 @@ uint64_t Backend::getSequenceNumberForGroup() {
   return sequence_;
 }
 
-std::map<std::string, std::array<uint64_t, 2>> Backend::routes() const {
+std::map<std::string, Backend::RouteCounts> Backend::routes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return routes_;
 }
@@ -327,7 +325,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
                                                   std::chrono::milliseconds timeout,
                                                   std::vector<at::Tensor> outputs,
                                                   std::vector<Step> steps) {
-  count(name, kEngine);
+  count(name, Route::kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
   if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
   auto run_all = [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps),
@@ -361,7 +359,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
 
 c10::intrusive_ptr<c10d::Work> Backend::on_gloo(const char* name,
                                                 c10::intrusive_ptr<c10d::Work> work) {
-  count(name, kGloo);
+  count(name, Route::kGloo);
   if (coalescing_) coalesced_.push_back(work);
   return work;
 }

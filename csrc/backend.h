@@ -6,7 +6,6 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -84,9 +83,13 @@ class Backend final : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override;
 
   // Which path serves this group, and how many calls of each collective each path took.
-  enum Path : size_t { kEngine = 0, kGloo = 1 };
+  enum class Route { kEngine, kGloo };
+  struct RouteCounts {
+    uint64_t engine = 0;
+    uint64_t gloo = 0;
+  };
   std::string describe() const;
-  std::map<std::string, std::array<uint64_t, 2>> routes() const;
+  std::map<std::string, RouteCounts> routes() const;
 
  private:
   using Step = std::function<void(ShmAllreduce&)>;
@@ -105,7 +108,7 @@ class Backend final : public c10d::Backend {
     return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(steps));
   }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
-  void count(const char* name, Path path);
+  void count(const char* name, Route route);
   bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
   Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
   Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
@@ -127,7 +130,7 @@ class Backend final : public c10d::Backend {
   std::shared_ptr<ShmEngine> engine_;
   std::string why_not_;
   mutable std::mutex mu_;
-  std::map<std::string, std::array<uint64_t, 2>> routes_;
+  std::map<std::string, RouteCounts> routes_;
   uint64_t sequence_ = 0;
   bool coalescing_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_;

@@ -86,45 +86,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            },
            py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
       .def("describe", &Engine::describe)
-      .def_property_readonly("bytes_across_nodes", [](const Engine& e) -> std::optional<uint64_t> {
-        if (const auto* shm = dynamic_cast<const ShmEngine*>(&e)) return shm->bytes_across_nodes();
-        return std::nullopt;
-      })
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<ShmEngine, Engine, std::shared_ptr<ShmEngine>>(m, "ShmEngine", py::module_local())
+      .def_property_readonly("cross_node_bytes", &ShmEngine::cross_node_bytes)
       .def_property(
-          "one_shot_bytes",
-          [](Engine& e) -> std::optional<size_t> {
-            if (auto* shm = dynamic_cast<ShmEngine*>(&e)) return shm->shm().one_shot_bytes();
-            return std::nullopt;
-          },
-          [](Engine& e, size_t bytes) {
-            auto* shm = dynamic_cast<ShmEngine*>(&e);
-            TORCH_CHECK(shm, "ddpx: only the shared-memory engine has a one-shot size");
-            shm->shm().set_one_shot_bytes(bytes);
-          })
+          "one_shot_bytes", [](ShmEngine& e) { return e.shm().one_shot_bytes(); },
+          [](ShmEngine& e, size_t bytes) { e.shm().set_one_shot_bytes(bytes); })
       .def_property(
           "steps",
-          [](Engine& e) -> std::optional<std::string> {
-            auto* shm = dynamic_cast<ShmEngine*>(&e);
-            if (!shm) return std::nullopt;
+          [](ShmEngine& e) {
             static const char* const names[] = {"timed", "narrow", "wide"};
-            return std::string(names[int(shm->shm().steps())]);
+            return std::string(names[int(e.shm().steps())]);
           },
-          [](Engine& e, const std::string& steps) {
-            auto* shm = dynamic_cast<ShmEngine*>(&e);
-            TORCH_CHECK(shm, "ddpx: only the shared-memory engine has steps to choose");
+          [](ShmEngine& e, const std::string& steps) {
             using Steps = ShmAllreduce::Steps;
-            const Steps chosen = steps == "timed"    ? Steps::Timed
-                                 : steps == "narrow" ? Steps::Narrow
-                                 : steps == "wide"   ? Steps::Wide
-                                                     : throw std::invalid_argument(
-                                                           "ddpx: steps must be 'timed', 'narrow' "
-                                                           "or 'wide', got '" + steps + "'");
-            shm->shm().set_steps(chosen);
+            TORCH_CHECK_VALUE(steps == "timed" || steps == "narrow" || steps == "wide",
+                              "ddpx: steps must be 'timed', 'narrow' or 'wide', got '", steps, "'");
+            e.shm().set_steps(steps == "timed"    ? Steps::Timed
+                              : steps == "narrow" ? Steps::Narrow
+                                                  : Steps::Wide);
           })
-      .def_property_readonly("wait_stats", [](const Engine& e) -> std::optional<py::dict> {
-        const auto* shm = dynamic_cast<const ShmEngine*>(&e);
-        if (!shm) return std::nullopt;
-        const ShmAllreduce::WaitStats w = shm->wait_stats();
+      .def_property_readonly("wait_stats", [](const ShmEngine& e) {
+        const ShmAllreduce::WaitStats w = e.wait_stats();
         py::dict stats;
         stats["waited_ns"] = w.waited_ns;
         stats["waits"] = w.waits;
@@ -132,16 +116,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         stats["yields"] = w.yields;
         stats["lost_yields"] = w.lost_yields;
         return stats;
-      })
-      .def("shutdown", [](Engine& e) {
-        if (auto* shm = dynamic_cast<ShmEngine*>(&e)) shm->shutdown();
-      }, py::call_guard<py::gil_scoped_release>());
+      });
 
   m.def("make_shm_engine",
         [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, size_t wide_bytes,
            int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
-           bool initialize,
-           std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes,
+           bool initialize, std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> cross_node_groups,
            size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
            std::string abort_key) {
           auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
@@ -149,22 +129,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                     ShmLayout{nranks, block_bytes, wide_bytes},
                                                     local_rank, std::move(ranks), one_shot_bytes,
                                                     timeout, initialize);
-          return std::shared_ptr<Engine>(std::make_shared<ShmEngine>(
-              std::move(shm), std::move(across_nodes), timeout, cross_chunk_bytes,
-              store.value_or(c10::intrusive_ptr<c10d::Store>()), std::move(abort_key)));
+          std::shared_ptr<CrossNode> cross_node;
+          if (!cross_node_groups.empty()) {
+            cross_node = make_cross_node(std::move(cross_node_groups), timeout,
+                                         store.value_or(c10::intrusive_ptr<c10d::Store>()),
+                                         std::move(abort_key));
+          }
+          return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node),
+                                             cross_chunk_bytes);
         },
         py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
-        py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"), py::arg("initialize"),
-        py::arg("across_nodes") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
+        py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
+        py::arg("initialize"),
+        py::arg("cross_node_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
         py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
         py::arg("abort_key") = std::string());
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init([](int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
-                       std::shared_ptr<Engine> engine, std::string why_not) {
-             auto shm = std::dynamic_pointer_cast<ShmEngine>(engine);
-             TORCH_CHECK(shm || !engine, "ddpx: the backend takes a shared-memory engine or None");
-             return c10::make_intrusive<Backend>(rank, size, std::move(gloo), std::move(shm),
+                       std::shared_ptr<ShmEngine> engine, std::string why_not) {
+             return c10::make_intrusive<Backend>(rank, size, std::move(gloo), std::move(engine),
                                                  std::move(why_not));
            }),
            py::arg("rank"), py::arg("size"), py::arg("gloo"), py::arg("engine"),
@@ -174,8 +158,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::dict out;
         for (const auto& [name, counts] : b.routes()) {
           py::dict paths;
-          paths["engine"] = counts[0];
-          paths["gloo"] = counts[1];
+          paths["engine"] = counts.engine;
+          paths["gloo"] = counts.gloo;
           out[py::str(name)] = paths;
         }
         return out;

@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <condition_variable>
@@ -20,34 +19,11 @@
 #include <thread>
 #include <vector>
 
+#include "cross_node.h"
+#include "input_checks.h"
 #include "shm_allreduce.h"
 
 namespace ddpx {
-
-// The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.
-std::optional<DType> to_dtype(at::ScalarType t);
-
-// The process group's single-tensor all-to-all (equal slices) and all-gather, under the names of
-// the torch being built against. The default timeout is the group's own.
-c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
-                                          at::Tensor& in,
-                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
-c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
-                                          at::Tensor& in,
-                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
-
-struct Request {
-  double scale = 1.0;                   // applied to every rank's input before the sum
-  std::optional<at::ScalarType> wire;   // dtype in transit; the tensor's own when empty
-  std::string what;                     // names the call in errors ("gradient bucket 3")
-};
-
-// What the engines reduce for tensor: a complex tensor as its real and imaginary parts (a view of
-// twice the elements in the real dtype), any other tensor itself.
-at::Tensor as_real(const at::Tensor& tensor);
-
-// Why an engine for `device` tensors cannot reduce this tensor as requested, or "".
-std::string invalid_input(const at::Tensor& tensor, const Request& request, c10::DeviceType device);
 
 // The group's all-reduce of tensor with every rank's input scaled by `scale` (inside the
 // reduction as a premultiplied sum with premul_sum, which NCCL has; else by a multiplication
@@ -56,8 +32,6 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(
     c10d::ProcessGroup& group, at::Tensor tensor, double scale, bool premul_sum,
     std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
 
-class AcrossNodes;
-
 class Engine {
  public:
   virtual ~Engine() = default;
@@ -65,6 +39,8 @@ class Engine {
   virtual c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) = 0;
   virtual void run(at::Tensor tensor, const Request& request) = 0;
   virtual std::string describe() const = 0;
+  // Finishes the queued work and stops the engine's threads, if it has any; later calls raise.
+  virtual void shutdown() {}
 };
 
 // Makes engine the one torch.ops.ddpx operators use for `device` tensors on the process group
@@ -74,15 +50,10 @@ void publish_engine(const std::string& group, c10::DeviceType device,
 
 class ShmEngine final : public Engine {
  public:
-  // With across_nodes (process groups of the ranks of this local index on every node, a
-  // dealing and a gathering one per lane), each rank's slices are summed across nodes between
-  // the node's two phases, in chunks of about chunk_bytes of the message, in the wire dtype when
-  // compressed; every transfer fails after `timeout`, or as soon as a rank of the job puts why
-  // it gave up under `abort_key` in `store` (which this rank does when it gives up).
-  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm,
-                     std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> across_nodes = {},
-                     std::chrono::milliseconds timeout = {}, size_t chunk_bytes = 0,
-                     c10::intrusive_ptr<c10d::Store> store = {}, std::string abort_key = {});
+  // With a cross-node link, each rank's slices are summed across nodes between the node's two
+  // phases, in chunks of about chunk_bytes of the message, in the wire dtype when compressed.
+  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node = {},
+                     size_t chunk_bytes = 0);
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
@@ -94,12 +65,9 @@ class ShmEngine final : public Engine {
   using Op = std::function<c10::IValue(ShmAllreduce&)>;
   c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
-  // Finishes the queued work and joins the communication thread; later calls raise.
-  void shutdown();
-  // Bytes this rank has sent to other nodes so far, counted as a bandwidth-optimal collective
-  // sends them: 2(N-1)/N of the data for an all-reduce over N nodes, (N-1)/N for an all-to-all or
-  // an all-gather. Zero on a single node.
-  uint64_t bytes_across_nodes() const;
+  void shutdown() override;
+  // Bytes this rank has sent to other nodes so far (CrossNode::bytes_sent); zero on one node.
+  uint64_t cross_node_bytes() const;
   ShmAllreduce::WaitStats wait_stats() const { return queue_->shm->wait_stats(); }
   ShmAllreduce& shm() { return *queue_->shm; }
 
@@ -124,7 +92,7 @@ class ShmEngine final : public Engine {
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;
-  std::shared_ptr<AcrossNodes> across_nodes_;
+  std::shared_ptr<CrossNode> cross_node_;
 };
 
 class ProcessGroupEngine final : public Engine {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <sstream>
 
+#include "cross_node.h"
+
 namespace ddpx {
 
 ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,

@@ -31,25 +31,7 @@
 
 namespace ddpx {
 
-// The link between the ranks of one local index on every node, for the hierarchical all-reduce.
-class CrossNode {
- public:
-  virtual ~CrossNode() = default;
-  virtual int nodes() const = 0;
-  virtual int node() const = 0;  // this rank's node, 0 .. nodes() - 1
-  // Starts trading words with the other nodes (each passes the same number); finish_gather
-  // returns every node's, in node order. Both throw on failure.
-  virtual void start_gather(const std::vector<int64_t>& mine) = 0;
-  virtual std::vector<int64_t> finish_gather() = 0;
-  // Starts summing n accumulation-dtype elements in place over the nodes, sending them in the
-  // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
-  // oldest transfer still running and throws its failure. Both throw on failure.
-  virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
-  virtual void finish_reduce() = 0;
-  // Tells every other rank of the job that this one gave up (why), so that their waits across
-  // nodes end now instead of at their timeout. Does not throw.
-  virtual void abort(const std::string& why) noexcept = 0;
-};
+class CrossNode;  // cross_node.h
 
 class ShmAllreduce {
  public:

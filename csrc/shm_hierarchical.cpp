@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "cross_node.h"
 #include "errors.h"
 #include "shm_allreduce.h"
 

@@ -30,7 +30,7 @@ from ddpx.engine import (
     SharedMemoryUnavailable,
     _Meeting,
     create_node_engine,
-    lane_groups,
+    cross_node_groups,
     resolve_group,
 )
 
@@ -40,7 +40,7 @@ NAME = "ddpx"
 logger = logging.getLogger("ddpx")
 
 
-def _lane_group(store, ranks: list[int], lane: int, timeout, me: int):
+def _cross_node_group(store, ranks: list[int], lane: int, timeout, me: int):
     """A gloo process group of the ranks with this rank's local index on every node, from the
     group's own store: only they meet to make it, while the group itself is being made."""
     prefixed = PrefixStore(f"ddpx-lane/{'-'.join(map(str, ranks))}/{lane}/", store)
@@ -57,13 +57,15 @@ def _create_backend(options, _backend_options):
     ranks = [int(r) for r in options.global_ranks_in_group] or list(range(size))
     gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
 
-    def across(lane_ranks: list[int]) -> list:
-        me = lane_ranks.index(ranks[rank])
-        return lane_groups(lane_ranks, lambda r, lane: _lane_group(store, r, lane, timeout, me))
+    def make_cross_node_groups(node_ranks: list[int]) -> list:
+        me = node_ranks.index(ranks[rank])
+        return cross_node_groups(
+            node_ranks, lambda r, lane: _cross_node_group(store, r, lane, timeout, me))
 
     engine, why_not = None, ""
     try:
-        engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout, across)
+        engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout,
+                                    make_cross_node_groups)
     except SharedMemoryUnavailable as why:
         why_not = str(why)
         if rank == 0:

@@ -182,21 +182,21 @@ class SharedMemoryUnavailable(Exception):
 
 
 def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, ranks: list[int],
-                       timeout: timedelta, across_nodes):
+                       timeout: timedelta, cross_node: list):
     """Every rank of a node (``local``: its group ranks) returns its engine, or all raise
     SharedMemoryUnavailable. ``ranks`` maps group ranks to global ones."""
     C = extension()
     size, index = len(local), local.index(me)
     names = [ranks[r] for r in local]
     block_bytes, wide_bytes, one_shot_bytes = meeting.get("layout", ranks[0])
-    if across_nodes:  # the nodes would have to agree on every call's steps: narrow ones only
+    if cross_node:  # the nodes would have to agree on every call's steps: narrow ones only
         wide_bytes = block_bytes
     if index == 0:
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes)
             engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, 0, names,
-                                       one_shot_bytes, timeout.total_seconds(), True, across_nodes,
+                                       one_shot_bytes, timeout.total_seconds(), True, cross_node,
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
@@ -219,7 +219,7 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             segment = C.ShmSegment.attach(segment_of_node["name"],
                                           C.shm_segment_bytes(size, block_bytes, wide_bytes))
             engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, index, names,
-                                       one_shot_bytes, timeout.total_seconds(), False, across_nodes,
+                                       one_shot_bytes, timeout.total_seconds(), False, cross_node,
                                        cross_chunk_bytes(), meeting.store,
                                        f"{meeting.prefix}/abort")
         except Exception as error:  # noqa: BLE001
@@ -241,10 +241,10 @@ def _node_identity() -> str:
 
 # (global ranks, one per node in node order; index) -> their process group. Weak: torch holds a
 # group until destroy_process_group, and a new one must be made after that.
-_across_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_cross_node_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def lane_groups(ranks: list[int], make_group) -> list:
+def cross_node_groups(ranks: list[int], make_group) -> list:
     """The process groups between nodes of these global ranks, the same local index on every
     node: a dealing and a gathering one per lane, ``make_group(ranks, lane)`` each."""
     return [make_group(ranks, lane) for lane in range(2 * _CROSS_LANES)]
@@ -254,24 +254,24 @@ def _shared_new_group(ranks: list[int], lane: int):
     """Only these ranks make it (so any group can span nodes), and engines that pair the same
     ranks share it."""
     key = (tuple(ranks), lane)
-    group = _across_groups.get(key)
+    group = _cross_node_groups.get(key)
     if group is None:
         group = dist.new_group(ranks, use_local_synchronization=True)
-        _across_groups[key] = group
+        _cross_node_groups[key] = group
     return group
 
 
-def _across_nodes(ranks: list[int]) -> list:
-    return lane_groups(ranks, _shared_new_group)
+def _shared_cross_node_groups(ranks: list[int]) -> list:
+    return cross_node_groups(ranks, _shared_new_group)
 
 
 def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: timedelta,
-                       across_nodes):
+                       make_cross_node_groups):
     """The shared-memory engine of the group whose global ranks are ``ranks`` (this rank is
     ``ranks[me]``), made collectively through ``meeting``; the reason why shared memory
     cannot serve it is raised as SharedMemoryUnavailable, the same on every rank.
-    ``across_nodes(lane_ranks)`` makes the process groups between nodes, for a group that spans
-    several."""
+    ``make_cross_node_groups(ranks)`` makes the process groups between nodes, for a group that
+    spans several."""
     size = len(ranks)
     if me == 0:
         meeting.put("layout", [_BLOCK_KB * 1024, _WIDE_KB * 1024, _ONE_SHOT_KB * 1024])
@@ -286,10 +286,11 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
             " the hierarchical all-reduce needs the same number on every node: launch every node "
             "with the same --nproc_per_node / --num_processes")
     index = members[node].index(me)
-    across = across_nodes([ranks[m[index]] for m in members]) if len(names) > 1 else []
+    cross_node = (make_cross_node_groups([ranks[m[index]] for m in members])
+                  if len(names) > 1 else [])
     engine, failure = None, None
     try:
-        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, across)
+        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, cross_node)
     except SharedMemoryUnavailable as why:
         failure = str(why)
     # One node without shared memory makes every node fall back: the paths must match.
@@ -309,7 +310,8 @@ def _create_engine(group, timeout: timedelta | None):
     me = dist.get_rank(group)
     try:
         return create_node_engine(_Meeting.of_group(group), me,
-                                  dist.get_process_group_ranks(group), timeout, _across_nodes)
+                                  dist.get_process_group_ranks(group), timeout,
+                                  _shared_cross_node_groups)
     except SharedMemoryUnavailable as why:
         if me == 0:
             logger.warning("ddpx: %s; using the process group's all-reduce instead", why)

@@ -34,6 +34,8 @@ from test_engine import HALF_ULP, SMALL_BLOCKS, assert_close_to_sum, fingerprint
 from test_hook import SUM_ORDER_TOLERANCE
 from torch import nn
 
+from ddpx import backend_of
+
 from distributed import run_ranks, run_two_nodes, shm_segments, train_small_ddp
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -223,17 +225,12 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(fingerprint(t)).hexdigest()[:20]
 
 
-def cpu_backend(group=None):
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    return group._get_backend(torch.device("cpu"))
-
-
 class Routes:
     """How many calls of each collective the backend's engine and its inner gloo served since
     this was made: {name: (engine, gloo)}, names with no calls left out."""
 
     def __init__(self, group=None):
-        self.backend = cpu_backend(group)
+        self.backend = backend_of(group)
         self.start = self._now()
 
     def _now(self):
@@ -702,8 +699,8 @@ class Battery:
         dist.all_reduce(out, group=self.ends)
         expect_equal(out, rank_order_sum(inputs), "all_reduce in new_group([0, world-1])")
         check(routes.served() == {"all_reduce": (1, 0)}, f"subgroup routes {routes.served()}")
-        check(cpu_backend(self.ends).describe().startswith("ddpx shared-memory engine"),
-              cpu_backend(self.ends).describe())
+        check(backend_of(self.ends).describe().startswith("ddpx shared-memory engine"),
+              backend_of(self.ends).describe())
 
 
 SECTIONS = ("all_reduce_float_sums", "all_reduce_exact_ops", "broadcast", "all_gather",
@@ -724,8 +721,8 @@ def in_step(world, what):
 
 def battery_section(rank, world, section):
     quiet()
-    assert cpu_backend().describe().startswith("ddpx shared-memory engine"), \
-        cpu_backend().describe()
+    assert backend_of().describe().startswith("ddpx shared-memory engine"), \
+        backend_of().describe()
     b = Battery(rank, world)
     with collecting() as failures:
         getattr(b, section)()
@@ -822,8 +819,8 @@ def subgroups(rank, world):
         calls["barrier"] += 1
         served = routes.served()
         assert served == {k: (v, 0) for k, v in calls.items()}, (members, served)
-        assert cpu_backend(group).describe().startswith("ddpx shared-memory engine"), \
-            cpu_backend(group).describe()
+        assert backend_of(group).describe().startswith("ddpx shared-memory engine"), \
+            backend_of(group).describe()
     return prints
 
 
@@ -962,7 +959,7 @@ def ddp_job(rank, world, gloo_store):
 
     quiet()
     on_ddpx, _ = train_small_ddp(rank)
-    served = cpu_backend().routes()  # absolute counts: the group began with this process
+    served = backend_of().routes()  # absolute counts: the group began with this process
     bf16 = bf16_ddp(rank, world)
     gc.collect()
     dist.destroy_process_group()
@@ -1031,7 +1028,7 @@ def mixed_init(rank, world):
                                       for r in range(world)]), "all_gather_into_tensor")
     assert routes.served() == {"all_reduce": (1, 0), "broadcast": (1, 0),
                                "all_gather_into_tensor": (1, 0)}, routes.served()
-    return cpu_backend().describe()
+    return backend_of().describe()
 
 
 @pytest.mark.parametrize("backend", [
@@ -1106,7 +1103,7 @@ def multinode_checks(rank, world):
 def multinode_body(rank, world):
     with collecting() as failures:
         prints = multinode_checks(rank, world)
-    return {"prints": prints, "describe": cpu_backend().describe(),
+    return {"prints": prints, "describe": backend_of().describe(),
             "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
 
 

@@ -7,6 +7,8 @@ the input as the output, and an error on every rank for splits that do not match
 import pytest
 import torch
 
+from ddpx import backend_of
+
 from distributed import run_ranks
 
 
@@ -33,7 +35,7 @@ def _refused_then_usable(call) -> dict:
         mismatch = str(error)
     after = torch.ones(4)
     dist.all_reduce(after)
-    routes = dist.group.WORLD._get_backend(torch.device("cpu")).routes()
+    routes = backend_of().routes()
     return {"mismatch": mismatch, "after": after, "routes": routes}
 
 

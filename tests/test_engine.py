@@ -117,12 +117,18 @@ def disagreement(rank, world):
     else:
         with pytest.raises(RuntimeError, match="rank 0 rejected its input"):
             ddpx.all_reduce(torch.ones(32))
-    with pytest.raises(ValueError, match="int64"):
+    refused = []
+    with pytest.raises(ValueError, match="int64") as info:
         ddpx.all_reduce(torch.ones(8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="float64 and cannot travel as bfloat16"):
+    refused.append(str(info.value))
+    with pytest.raises(ValueError, match="float64 and cannot travel as bfloat16") as info:
         ddpx.all_reduce(torch.ones(8, dtype=torch.float64), compression="bf16")
+    refused.append(str(info.value))
     with pytest.raises(ValueError, match="compression='int8'"):
         ddpx.all_reduce(torch.ones(8), compression="int8")
+    # The engine's refusals read as the Python errors they are: no C++ frames or source paths.
+    for text in refused + [message]:
+        assert text.startswith("ddpx: ") and ".cpp" not in text and "Exception raised" not in text
     # Every failed call above was a failed call on every rank: the engine is still in step.
     out = torch.full((1000,), float(rank))
     ddpx.all_reduce(out)

@@ -26,10 +26,10 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
     engine = ddpx.FusedHookState().engine
     for compression in (None, "bf16", "fp16"):
         big = torch.full((300_000,), float(rank + 1))
-        before = engine.bytes_across_nodes
+        before = engine.cross_node_bytes
         ddpx.all_reduce(big, compression=compression)
         out[f"sum-{compression}"] = [big.min().item(), big.max().item()]
-        out[f"bytes-{compression}"] = engine.bytes_across_nodes - before
+        out[f"bytes-{compression}"] = engine.cross_node_bytes - before
     # Bad calls: the sizes differ within node 1, between the nodes, or rank 1 passes integers.
     # Every rank must raise (none may hang in the exchange across nodes), and stay in step.
     bad_calls = {

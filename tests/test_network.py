@@ -77,7 +77,7 @@ REDUCE = PRELUDE + inspect.getsource(train_small_ddp) + textwrap.dedent('''
         torch.save(results, os.path.join(folder, "results.pt"))
     out["default"], _ = train_small_ddp(rank)
     out["ddpx"], _ = train_small_ddp(rank, ddpx.register_fused_hook)
-    out["bytes_across_nodes"] = engine.bytes_across_nodes
+    out["cross_node_bytes"] = engine.cross_node_bytes
     report("result", **out)
     dist.destroy_process_group()
 ''')
@@ -221,7 +221,7 @@ def test_sums_and_training_across_shaped_links_match_float64_and_ddp(nodes, tmp_
     # least what its engines count as sent to other nodes.
     share = 2 * (nodes - 1) / nodes * sum(SIZES) * (4 + 2)
     for k in range(nodes):
-        counted = sum(results[r]["bytes_across_nodes"] for r in (2 * k, 2 * k + 1))
+        counted = sum(results[r]["cross_node_bytes"] for r in (2 * k, 2 * k + 1))
         assert counted >= share * 0.999, (k, counted, share)
         assert sent[k] >= counted, (k, sent[k], counted)
 

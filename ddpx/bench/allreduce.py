@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import ddpx
 from ddpx import costmodel
+from ddpx._ext import extension
 from ddpx.bench.common import (
     MPI_WORKDIR,
     PEERS,
@@ -118,13 +119,13 @@ def bench_allreduce(args) -> dict:
     return {"rows": rows, "left_out": left_out, "notes": notes, "failures": []}
 
 
-def _bytes_across_nodes() -> int | None:
+def _cross_node_bytes() -> int | None:
     """What ddpx's engine of the world has sent to other nodes so far, summed over the ranks;
     None for the process-group fallback, which does not count them."""
-    sent = engine_for().bytes_across_nodes
-    if sent is None:
+    engine = engine_for()
+    if not isinstance(engine, extension().ShmEngine):
         return None
-    total = torch.tensor([sent], dtype=torch.float64)
+    total = torch.tensor([engine.cross_node_bytes], dtype=torch.float64)
     dist.all_reduce(total)
     return int(total.item())
 
@@ -329,10 +330,10 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
             errors[name] = {"max_abs_error": None, "tolerance": None, "inter_node_bytes": None}
             continue
         result = mine.clone()
-        sent = _bytes_across_nodes() if count_bytes and name.startswith("ddpx") else None
+        sent = _cross_node_bytes() if count_bytes and name.startswith("ddpx") else None
         engine(result)
         if sent is not None:
-            sent = _bytes_across_nodes() - sent
+            sent = _cross_node_bytes() - sent
         error = torch.tensor([(result.double() - reference).abs().max().item()])
         error = error.nan_to_num(nan=math.inf)
         dist.all_reduce(error, op=dist.ReduceOp.MAX)

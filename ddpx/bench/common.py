@@ -10,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ddpx.backend import backend_of
+
 # The other projects' CPU all-reduces, which "x vs best peer" reads every engine against.
 PEERS = ("gloo", "mpi", "deepspeed")
 WIRE = {
@@ -216,7 +218,7 @@ def ddpx_group(left_out: dict):
         left_out["ddpx"] = "this build of ddpx registers no torch.distributed backend 'ddpx'"
         return None, None
     group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
-    return group, group._get_backend(torch.device("cpu"))
+    return group, backend_of(group)
 
 
 def routes_since(before: dict, after: dict) -> dict:

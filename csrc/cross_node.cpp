@@ -1,0 +1,221 @@
+#include "cross_node.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "abort_watch.h"
+#include "errors.h"
+#include "torch_compat.h"
+
+namespace ddpx {
+namespace {
+
+// The node-to-node step of the hierarchical all-reduce, for one chunk of one rank's slices.
+// Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
+// ways and is still summed in float32: an all-to-all deals each node one piece of every node's
+// chunk, each rank sums its piece over the nodes in node order and rounds the sum once, and an
+// all-gather hands the pieces back. Every rank holding the chunk ends with the same bits, and the
+// bytes on the network are those of the wire dtype.
+//
+// Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
+// starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt
+// pieces of each chunk as they arrive and starts gathering them back, and the caller finishes
+// the chunks in order. A lane is two process groups, one that deals and one that gathers, so
+// each sees its transfers in chunk order on every rank whatever the threads' timing; chunks take
+// turns on the lanes, and every transfer fails after the engine's timeout.
+class ProcessGroupCrossNode final : public CrossNode {
+ public:
+  // groups: the dealing and the gathering group of each lane, in turn.
+  ProcessGroupCrossNode(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
+              std::chrono::milliseconds timeout, std::shared_ptr<AbortWatch> watch)
+      : groups_(std::move(groups)), timeout_(timeout), link_(std::make_shared<Link>()) {
+    TORCH_INTERNAL_ASSERT(!groups_.empty() && groups_.size() % 2 == 0,
+                          "ddpx: a lane across nodes is two process groups");
+    nodes_ = groups_[0]->getSize();
+    TORCH_CHECK_VALUE(nodes_ <= kMaxSources, "ddpx: the hierarchical all-reduce sums at most ",
+                      kMaxSources, " nodes, this job has ", nodes_);
+    // The threads start once nothing here can throw: a thread left running by a constructor
+    // that throws would end the process.
+    link_->timeout = timeout;
+    link_->watch = std::move(watch);
+    AbortWatch::start(link_->watch);
+    link_->thread = std::thread(link_loop, link_);
+  }
+
+  ~ProcessGroupCrossNode() override {
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->stopping = true;
+    }
+    link_->cv.notify_all();
+    // A link thread still waiting on a transfer that a failure abandoned gets its error at the
+    // timeout; the process need not wait for that. It owns all it touches.
+    if (link_->busy) {
+      link_->thread.detach();
+    } else {
+      link_->thread.join();
+    }
+    link_->watch->stop();
+  }
+
+  int nodes() const override { return nodes_; }
+  int node() const override { return groups_[0]->getRank(); }
+  uint64_t bytes_sent() const override { return bytes_sent_.load(std::memory_order_relaxed); }
+
+  void start_gather(const std::vector<int64_t>& mine) override {
+    const int64_t n = int64_t(mine.size());
+    words_in_ = at::tensor(at::IntArrayRef(mine), at::kLong);
+    words_out_ = at::empty({n * nodes_}, at::kLong);
+    gathering_ = all_gather(*groups_[0], words_out_, words_in_, timeout_);
+  }
+
+  std::vector<int64_t> finish_gather() override {
+    auto work = std::move(gathering_);
+    link_->watch->await(*work);
+    const int64_t* words = words_out_.const_data_ptr<int64_t>();
+    return std::vector<int64_t>(words, words + words_out_.numel());
+  }
+
+  void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) override {
+    auto chunk = std::make_shared<Chunk>();
+    chunk->data = std::move(data);
+    chunk->acc = acc;
+    chunk->wire = wire;
+    chunk->n = n;
+    const size_t lane = 2 * (next_lane_++ % (groups_.size() / 2));
+    if (wire == acc) {
+      const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
+      std::vector<at::Tensor> tensors{
+          at::from_blob(chunk->data.get(), {n}, at::TensorOptions().dtype(dtype))};
+      c10d::AllreduceOptions opts;
+      opts.timeout = timeout_;
+      chunk->work = groups_[lane]->allreduce(tensors, opts);
+      pending_.push_back(std::move(chunk));
+      return;
+    }
+    const int64_t wire_size = int64_t(dtype_size(wire));
+    chunk->piece = (n + nodes_ - 1) / nodes_;
+    const int64_t bytes = nodes_ * chunk->piece * wire_size;
+    chunk->dealt = at::empty({bytes}, at::kByte);
+    chunk->received = at::empty({bytes}, at::kByte);
+    chunk->mine = at::empty({chunk->piece * wire_size}, at::kByte);
+    char* out = static_cast<char*>(chunk->dealt.data_ptr());
+    kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
+    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
+    chunk->gathering_group = groups_[lane + 1];
+    chunk->work = all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+    chunk->gathering = chunk->gathering_started.get_future();
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->dealt.push_back(chunk);
+    }
+    link_->cv.notify_all();
+    pending_.push_back(std::move(chunk));
+  }
+
+  void finish_reduce() override {
+    std::shared_ptr<Chunk> chunk = std::move(pending_.front());
+    pending_.pop_front();
+    const int64_t wire_size = int64_t(dtype_size(chunk->wire));
+    if (chunk->wire == chunk->acc) {
+      link_->watch->await(*chunk->work);
+      count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
+      return;
+    }
+    chunk->gathering.get();  // the link thread's failure, if it had one
+    link_->watch->await(*chunk->work);
+    kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
+                   1.0, Store::Cached);
+    count(2 * (nodes_ - 1) * chunk->piece * wire_size);
+  }
+
+ private:
+  struct Chunk {
+    std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
+    DType acc, wire;
+    int64_t n = 0, piece = 0;
+    at::Tensor dealt, received, mine;  // compressed: the wire-dtype pieces
+    c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
+    c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
+    std::promise<void> gathering_started;  // set by the link thread once work gathers
+    std::future<void> gathering;
+  };
+  struct Link {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<std::shared_ptr<Chunk>> dealt;  // compressed chunks whose pieces are on the way
+    bool stopping = false;
+    std::atomic<bool> busy{false};
+    std::chrono::milliseconds timeout{};
+    std::shared_ptr<AbortWatch> watch;
+  };
+
+  // Sums each dealt chunk's pieces as they arrive, in chunk order, and starts gathering them.
+  static void link_loop(std::shared_ptr<Link> link) {
+    std::string broken;  // an earlier transfer failed: the groups are out of step since
+    while (true) {
+      std::shared_ptr<Chunk> c;
+      {
+        std::unique_lock<std::mutex> lock(link->mu);
+        link->cv.wait(lock, [&] { return link->stopping || !link->dealt.empty(); });
+        if (link->stopping) return;
+        c = std::move(link->dealt.front());
+        link->dealt.pop_front();
+        link->busy = true;
+      }
+      try {
+        if (!broken.empty()) C10_THROW_ERROR(DistBackendError, broken);
+        link->watch->await(*c->work);
+        const int64_t wire_size = int64_t(dtype_size(c->wire));
+        const int64_t nodes = c->gathering_group->getSize();
+        const void* pieces[kMaxSources];
+        for (int64_t i = 0; i < nodes; ++i) {
+          pieces[i] = static_cast<const char*>(c->received.data_ptr()) + i * c->piece * wire_size;
+        }
+        kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece,
+                         Store::Cached);
+        c->work = all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
+        c->gathering_started.set_value();
+      } catch (const std::exception& e) {
+        broken = "an earlier transfer failed: " + error_text(e);
+        c->gathering_started.set_exception(std::current_exception());
+      }
+      link->busy = false;
+    }
+  }
+
+  void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }
+
+  void count(int64_t bytes) { bytes_sent_.fetch_add(uint64_t(bytes), std::memory_order_relaxed); }
+
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+  int nodes_ = 0;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<Link> link_;
+  size_t next_lane_ = 0;
+  std::deque<std::shared_ptr<Chunk>> pending_;  // started chunks, oldest first
+  at::Tensor words_in_, words_out_;
+  c10::intrusive_ptr<c10d::Work> gathering_;
+  std::atomic<uint64_t> bytes_sent_{0};
+};
+
+}  // namespace
+
+std::shared_ptr<CrossNode> make_cross_node(
+    std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Store> store, std::string abort_key) {
+  TORCH_INTERNAL_ASSERT(store, "ddpx: across nodes, an engine needs the job's store");
+  return std::make_shared<ProcessGroupCrossNode>(
+      std::move(groups), timeout,
+      std::make_shared<AbortWatch>(std::move(store), std::move(abort_key)));
+}
+
+}  // namespace ddpx

@@ -1,0 +1,48 @@
+// The cross-node link of the hierarchical all-reduce: the ranks of one local index on every node,
+// and its implementation over process groups.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace ddpx {
+
+class CrossNode {
+ public:
+  virtual ~CrossNode() = default;
+  virtual int nodes() const = 0;
+  virtual int node() const = 0;  // this rank's node, 0 .. nodes() - 1
+  // Starts trading words with the other nodes (each passes the same number); finish_gather
+  // returns every node's, in node order. Both throw on failure.
+  virtual void start_gather(const std::vector<int64_t>& mine) = 0;
+  virtual std::vector<int64_t> finish_gather() = 0;
+  // Starts summing n accumulation-dtype elements in place over the nodes, sending them in the
+  // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
+  // oldest transfer still running and throws its failure. Both throw on failure.
+  virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
+  virtual void finish_reduce() = 0;
+  // Tells every other rank of the job that this one gave up (why), so that their waits across
+  // nodes end now instead of at their timeout. Does not throw.
+  virtual void abort(const std::string& why) noexcept = 0;
+  // Bytes this rank has sent to other nodes so far, counted as a bandwidth-optimal all-reduce
+  // sends them: 2(N-1)/N of the data over N nodes.
+  virtual uint64_t bytes_sent() const = 0;
+};
+
+// The link over process groups: `groups` holds a dealing and a gathering group per lane, in turn,
+// each of the ranks of this local index on every node in node order. Every transfer fails after
+// `timeout`, or as soon as a rank of the job puts why it gave up under `abort_key` in `store`
+// (which this rank does when it gives up).
+std::shared_ptr<CrossNode> make_cross_node(
+    std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Store> store, std::string abort_key);
+
+}  // namespace ddpx

@@ -1,0 +1,20 @@
+// The process group's single-tensor collectives under the names of the torch being built against
+// (torch 2.13 renamed them and deprecated the old names).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+
+namespace ddpx {
+
+// All-to-all in equal slices, and all-gather. The default timeout is the group's own.
+c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in,
+                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+c10::intrusive_ptr<c10d::Work> all_gather(c10d::ProcessGroup& group, at::Tensor& out,
+                                          at::Tensor& in,
+                                          std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+
+}  // namespace ddpx
