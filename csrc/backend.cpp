@@ -55,8 +55,8 @@ class PointToPointWork final : public c10d::Work {
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::call_once(started_, [this] {
-      future_ = c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()));
+      future_ =
+          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
       std::thread([inner = inner_, future = future_, tensors = c10::List<at::Tensor>(tensors_)] {
         try {
           inner->wait();
@@ -83,9 +83,8 @@ class CoalescedWork final : public c10d::Work {
       : Work(-1, c10d::OpType::COALESCED), works_(std::move(works)) {}
 
   bool isCompleted() override {
-    return std::all_of(works_.begin(), works_.end(), [](const auto& w) {
-      return w->isCompleted();
-    });
+    return std::all_of(works_.begin(), works_.end(),
+                       [](const auto& w) { return w->isCompleted(); });
   }
   bool isSuccess() const override {
     return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->isSuccess(); });
@@ -121,7 +120,7 @@ bool kernel_sum(const at::Tensor& t, const ReduceOp& op) {
 }
 
 const char* op_name(const ReduceOp& op) {
-  static const char* const names[] = {"SUM", "AVG",  "PRODUCT", "MIN",        "MAX",
+  static const char* const names[] = {"SUM",  "AVG", "PRODUCT", "MIN",        "MAX",
                                       "BAND", "BOR", "BXOR",    "PREMUL_SUM", "UNUSED"};
   return names[std::min<int>(op.op_, ReduceOp::UNUSED)];
 }
@@ -163,14 +162,29 @@ std::string invalid_reduction(const at::Tensor& t, const ReduceOp& op, const std
 
 void combine(at::Tensor& into, const at::Tensor& other, const ReduceOp& op) {
   switch (op.op_) {
-    case ReduceOp::SUM: into.add_(other); break;
-    case ReduceOp::PRODUCT: into.mul_(other); break;
-    case ReduceOp::MIN: into.copy_(at::minimum(into, other)); break;
-    case ReduceOp::MAX: into.copy_(at::maximum(into, other)); break;
-    case ReduceOp::BAND: into.bitwise_and_(other); break;
-    case ReduceOp::BOR: into.bitwise_or_(other); break;
-    case ReduceOp::BXOR: into.bitwise_xor_(other); break;
-    default: TORCH_INTERNAL_ASSERT(false, "ddpx: no reduction for ", op_name(op));
+    case ReduceOp::SUM:
+      into.add_(other);
+      break;
+    case ReduceOp::PRODUCT:
+      into.mul_(other);
+      break;
+    case ReduceOp::MIN:
+      into.copy_(at::minimum(into, other));
+      break;
+    case ReduceOp::MAX:
+      into.copy_(at::maximum(into, other));
+      break;
+    case ReduceOp::BAND:
+      into.bitwise_and_(other);
+      break;
+    case ReduceOp::BOR:
+      into.bitwise_or_(other);
+      break;
+    case ReduceOp::BXOR:
+      into.bitwise_xor_(other);
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "ddpx: no reduction for ", op_name(op));
   }
 }
 
@@ -253,9 +267,9 @@ std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int wor
                         const std::string& what, const char* whole_role, const char* part_role) {
   if (whole.numel() == world * part.numel() && whole.scalar_type() == part.scalar_type()) return {};
   std::ostringstream why;
-  why << "ddpx: " << what << " needs an " << whole_role << " of " << world << " x "
-      << part.numel() << " " << part.scalar_type() << " elements (world size x " << part_role
-      << "), got " << whole.numel() << " " << whole.scalar_type();
+  why << "ddpx: " << what << " needs an " << whole_role << " of " << world << " x " << part.numel()
+      << " " << part.scalar_type() << " elements (world size x " << part_role << "), got "
+      << whole.numel() << " " << whole.scalar_type();
   return why.str();
 }
 
@@ -317,8 +331,9 @@ std::map<std::string, Backend::RouteCounts> Backend::routes() const {
 std::string Backend::describe() const {
   if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
   return engine_->describe() +
-         (local() ? "" : "; only the all-reduce of floating-point sums uses it, the other "
-                         "collectives go to gloo");
+         (local() ? ""
+                  : "; only the all-reduce of floating-point sums uses it, the other "
+                    "collectives go to gloo");
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
@@ -403,8 +418,7 @@ Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::T
         "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")";
     const std::string why = whole_error(input, output, world, what, "input", "output");
     if (!why.empty()) shm.reject(why, what);
-    run_reduce_scatter(shm, output, parts_of(dense(input), world, output.numel()), op, world,
-                       what);
+    run_reduce_scatter(shm, output, parts_of(dense(input), world, output.numel()), op, world, what);
   };
 }
 
@@ -457,8 +471,8 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
       for (int r = 0; r < n && why.tellp() == 0; ++r) {
         for (const at::Tensor* t : {&dense_ins[size_t(r)], &dense_outs[size_t(r)]}) {
           if (t->defined() && bytes(*t) != longest && why.tellp() == 0) {
-            why << "ddpx: " << what << " needs parts of one size, got " << bytes(*t)
-                << " and " << longest << " bytes";
+            why << "ddpx: " << what << " needs parts of one size, got " << bytes(*t) << " and "
+                << longest << " bytes";
           }
         }
       }
@@ -471,9 +485,9 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
       longest = size_t(*std::max_element(all.begin(), all.end()));
       for (int r = 0; r < n && why.tellp() == 0; ++r) {
         if (size_t(all[size_t(r * n + me)]) != receives[size_t(r)]) {
-          why << "ddpx: " << what << ": local rank " << r << " sends "
-              << all[size_t(r * n + me)] << " bytes to local rank " << me << ", which expects "
-              << receives[size_t(r)] << ": the ranks' splits must match";
+          why << "ddpx: " << what << ": local rank " << r << " sends " << all[size_t(r * n + me)]
+              << " bytes to local rank " << me << ", which expects " << receives[size_t(r)]
+              << ": the ranks' splits must match";
         }
       }
     }
@@ -521,9 +535,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  const bool engine = engine_ && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
-    return t.layout() == at::kStrided && (local() || kernel_sum(t, opts.reduceOp));
-  });
+  const bool engine =
+      engine_ && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
+        return t.layout() == at::kStrided && (local() || kernel_sum(t, opts.reduceOp));
+      });
   if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   std::vector<Step> steps;
   for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
@@ -537,11 +552,11 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
   return on_engine("broadcast", opts, tensors, {[tensor, root](ShmAllreduce& shm) {
-    at::Tensor data = dense(tensor);
-    shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(), root,
-                  "torch.distributed.broadcast");
-    write_back(tensor, data);
-  }});
+                     at::Tensor data = dense(tensor);
+                     shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(),
+                                   root, "torch.distributed.broadcast");
+                     write_back(tensor, data);
+                   }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -553,20 +568,21 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const at::Tensor input = inputs[0];
   const int world = getSize();
   return on_engine("all_gather", opts, outs, {[outs, input, world](ShmAllreduce& shm) {
-    const std::string what = "torch.distributed.all_gather";
-    const std::string why = list_error(outs, input, world, what, "outputs");
-    if (!why.empty()) shm.reject(why, what);
-    std::vector<at::Tensor> dense_outs;
-    for (const auto& out : outs) dense_outs.push_back(dense(out));
-    at::Tensor in = dense(input);
-    for (int r = 0; r < world; ++r) {
-      in = apart_from(in, dense_outs[size_t(r)],
-                      r == shm.local_rank() ? dense_outs[size_t(r)] : at::Tensor());
-    }
-    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
-                  pointers<void*>(dense_outs).data(), what);
-    for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
-  }});
+                     const std::string what = "torch.distributed.all_gather";
+                     const std::string why = list_error(outs, input, world, what, "outputs");
+                     if (!why.empty()) shm.reject(why, what);
+                     std::vector<at::Tensor> dense_outs;
+                     for (const auto& out : outs) dense_outs.push_back(dense(out));
+                     at::Tensor in = dense(input);
+                     for (int r = 0; r < world; ++r) {
+                       in =
+                           apart_from(in, dense_outs[size_t(r)],
+                                      r == shm.local_rank() ? dense_outs[size_t(r)] : at::Tensor());
+                     }
+                     shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                                   pointers<void*>(dense_outs).data(), what);
+                     for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
+                   }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -574,8 +590,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   if (!local()) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
-  return on_engine("all_gather_into_tensor", opts, {output},
-                   {allgather_step(output, input)});
+  return on_engine("all_gather_into_tensor", opts, {output}, {allgather_step(output, input)});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
@@ -597,22 +612,22 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
   return on_gloo("all_gather_coalesced", gloo_->allgather_coalesced(outputs, inputs, opts));
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(
-    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const c10d::ReduceScatterOptions& opts) {
   require(inputs.size() == 1 && outputs.size() == 1, "ddpx: reduce_scatter takes one CPU tensor");
   if (!local()) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
   const at::Tensor output = outputs[0];
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", opts, outputs,
-                   {[output, ins, op, world](ShmAllreduce& shm) {
-    const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
-    const std::string why = list_error(ins, output, world, what, "inputs");
-    if (!why.empty()) shm.reject(why, what);
-    run_reduce_scatter(shm, output, ins, op, world, what);
-  }});
+  return on_engine("reduce_scatter", opts, outputs, {[output, ins, op, world](ShmAllreduce& shm) {
+                     const std::string what =
+                         "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
+                     const std::string why = list_error(ins, output, world, what, "inputs");
+                     if (!why.empty()) shm.reject(why, what);
+                     run_reduce_scatter(shm, output, ins, op, world, what);
+                   }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
@@ -642,9 +657,9 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
   return on_engine("barrier", opts, {}, {[](ShmAllreduce& shm) {
-    const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
-    shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
-  }});
+                     const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
+                     shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
+                   }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
@@ -702,8 +717,8 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
       require(t.numel() % world == 0, "ddpx: " + what + " splits its " + role + " of " +
                                           std::to_string(t.numel()) + " elements into " +
                                           std::to_string(world) + " equal parts: pass splits");
-      for (int r = 0; r < world; ++r) out.push_back(flat.narrow(0, r * (t.numel() / world),
-                                                                t.numel() / world));
+      for (int r = 0; r < world; ++r)
+        out.push_back(flat.narrow(0, r * (t.numel() / world), t.numel() / world));
       return out;
     }
     const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
@@ -711,9 +726,9 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
     int64_t at_row = 0;
     require(int(splits.size()) == world, "ddpx: " + what + " takes one split per rank");
     for (int64_t split : splits) {
-      require(split >= 0 && at_row + split <= rows,
-              "ddpx: " + what + "'s " + role + " splits add up to more than its " +
-                  std::to_string(rows) + " rows");
+      require(split >= 0 && at_row + split <= rows, "ddpx: " + what + "'s " + role +
+                                                        " splits add up to more than its " +
+                                                        std::to_string(rows) + " rows");
       out.push_back(flat.narrow(0, at_row * row, split * row));
       at_row += split;
     }
@@ -753,9 +768,9 @@ c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, i
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return on_gloo("recv", c10::make_intrusive<PointToPointWork>(
-                             gloo_->recvAnysource(tensors, tag), tensors,
-                             c10d::OpType::RECVANYSOURCE));
+  return on_gloo("recv",
+                 c10::make_intrusive<PointToPointWork>(gloo_->recvAnysource(tensors, tag), tensors,
+                                                       c10d::OpType::RECVANYSOURCE));
 }
 
 }  // namespace ddpx

@@ -1,8 +1,8 @@
 // Python bindings of ddpx._C. Policy (which engine, which group, when to fall back) lives in the
 // Python package; this file only exposes the pieces.
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
-#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "backend.h"
 #include "engine.h"
@@ -64,27 +64,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("unlink", &ShmSegment::unlink, py::arg("name"))
       .def_property_readonly("nbytes", &ShmSegment::size);
 
-  m.def("shm_segment_bytes", [](int nranks, size_t block_bytes, size_t wide_bytes) {
-    return ShmLayout{nranks, block_bytes, wide_bytes}.segment_bytes();
-  }, py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"));
+  m.def(
+      "shm_segment_bytes",
+      [](int nranks, size_t block_bytes, size_t wide_bytes) {
+        return ShmLayout{nranks, block_bytes, wide_bytes}.segment_bytes();
+      },
+      py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"));
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", py::module_local())
-      .def("run",
-           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
-              std::string what) { e.run(std::move(t), make_request(scale, wire, std::move(what))); },
-           py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("run_async",
-           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
-              std::string what) {
-             c10::intrusive_ptr<c10::ivalue::Future> future;
-             {
-               py::gil_scoped_release release;
-               future = e.run_async(std::move(t), make_request(scale, wire, std::move(what)));
-             }
-             return torch::jit::toPyObject(c10::IValue(std::move(future)));
-           },
-           py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
+      .def(
+          "run",
+          [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
+             std::string what) { e.run(std::move(t), make_request(scale, wire, std::move(what))); },
+          py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"),
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "run_async",
+          [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
+             std::string what) {
+            c10::intrusive_ptr<c10::ivalue::Future> future;
+            {
+              py::gil_scoped_release release;
+              future = e.run_async(std::move(t), make_request(scale, wire, std::move(what)));
+            }
+            return torch::jit::toPyObject(c10::IValue(std::move(future)));
+          },
+          py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
       .def("describe", &Engine::describe)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 
@@ -118,32 +123,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return stats;
       });
 
-  m.def("make_shm_engine",
-        [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, size_t wide_bytes,
-           int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
-           bool initialize, std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> cross_node_groups,
-           size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
-           std::string abort_key) {
-          auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
-          auto shm = std::make_unique<ShmAllreduce>(std::move(segment),
-                                                    ShmLayout{nranks, block_bytes, wide_bytes},
-                                                    local_rank, std::move(ranks), one_shot_bytes,
-                                                    timeout, initialize);
-          std::shared_ptr<CrossNode> cross_node;
-          if (!cross_node_groups.empty()) {
-            cross_node = make_cross_node(std::move(cross_node_groups), timeout,
-                                         store.value_or(c10::intrusive_ptr<c10d::Store>()),
-                                         std::move(abort_key));
-          }
-          return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node),
-                                             cross_chunk_bytes);
-        },
-        py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
-        py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
-        py::arg("initialize"),
-        py::arg("cross_node_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
-        py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
-        py::arg("abort_key") = std::string());
+  m.def(
+      "make_shm_engine",
+      [](std::shared_ptr<ShmSegment> segment, int nranks, size_t block_bytes, size_t wide_bytes,
+         int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
+         bool initialize, std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> cross_node_groups,
+         size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
+         std::string abort_key) {
+        auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
+        auto shm = std::make_unique<ShmAllreduce>(
+            std::move(segment), ShmLayout{nranks, block_bytes, wide_bytes}, local_rank,
+            std::move(ranks), one_shot_bytes, timeout, initialize);
+        std::shared_ptr<CrossNode> cross_node;
+        if (!cross_node_groups.empty()) {
+          cross_node = make_cross_node(std::move(cross_node_groups), timeout,
+                                       store.value_or(c10::intrusive_ptr<c10d::Store>()),
+                                       std::move(abort_key));
+        }
+        return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node),
+                                           cross_chunk_bytes);
+      },
+      py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
+      py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
+      py::arg("initialize"),
+      py::arg("cross_node_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
+      py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
+      py::arg("abort_key") = std::string());
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init([](int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
@@ -165,62 +170,73 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return out;
       });
 
-  m.def("make_process_group_engine",
-        [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason) {
-          return std::shared_ptr<Engine>(
-              std::make_shared<ProcessGroupEngine>(std::move(group), std::move(reason)));
-        },
-        py::arg("group"), py::arg("reason"));
+  m.def(
+      "make_process_group_engine",
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason) {
+        return std::shared_ptr<Engine>(
+            std::make_shared<ProcessGroupEngine>(std::move(group), std::move(reason)));
+      },
+      py::arg("group"), py::arg("reason"));
 
-  m.def("publish_engine",
-        [](const std::string& group, const std::string& device, std::shared_ptr<Engine> engine) {
-          publish_engine(group, c10::Device(device).type(), engine);
-        },
-        py::arg("group"), py::arg("device"), py::arg("engine"));
+  m.def(
+      "publish_engine",
+      [](const std::string& group, const std::string& device, std::shared_ptr<Engine> engine) {
+        publish_engine(group, c10::Device(device).type(), engine);
+      },
+      py::arg("group"), py::arg("device"), py::arg("engine"));
 
-  m.def("register_fused_hook",
-        [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
-           c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,
-           std::optional<at::ScalarType> wire) {
-          reducer.register_comm_hook(std::make_unique<FusedHook>(
-              FusedHookConfig{std::move(engine), std::move(group), scale, wire}));
-        },
-        py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"),
-        py::arg("wire"));
-  m.def("invalid_input",
-        [](const at::Tensor& tensor, std::optional<at::ScalarType> wire, std::string what,
-           const std::string& device) {
-          return invalid_input(tensor, Request{1.0, wire, std::move(what)},
-                               c10::Device(device).type());
-        },
-        py::arg("tensor"), py::arg("wire"), py::arg("what"), py::arg("device"));
+  m.def(
+      "register_fused_hook",
+      [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
+         c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,
+         std::optional<at::ScalarType> wire) {
+        reducer.register_comm_hook(std::make_unique<FusedHook>(
+            FusedHookConfig{std::move(engine), std::move(group), scale, wire}));
+      },
+      py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"), py::arg("wire"));
+  m.def(
+      "invalid_input",
+      [](const at::Tensor& tensor, std::optional<at::ScalarType> wire, std::string what,
+         const std::string& device) {
+        return invalid_input(tensor, Request{1.0, wire, std::move(what)},
+                             c10::Device(device).type());
+      },
+      py::arg("tensor"), py::arg("wire"), py::arg("what"), py::arg("device"));
 
   m.def("kernel_isa", [] { return std::string(kernels().isa); });
-  m.def("kernel_pack", [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa,
-                          bool stream) {
-    TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_pack needs equal sizes");
-    kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(), kernel_dtype(src),
-                            src.numel(), scale, stream ? Store::Streaming : Store::Cached);
-  }, py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"), py::arg("stream") = false);
-  m.def("kernel_copy", [](at::Tensor dst, const at::Tensor& src, const std::string& isa, bool stream) {
-    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
-                "ddpx: kernel_copy needs contiguous tensors of equal bytes");
-    kernels_named(isa).copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
-                            stream ? Store::Streaming : Store::Cached);
-  }, py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("stream") = false);
-  m.def("kernel_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa,
-                            bool stream) {
-    TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",
-                kMaxLocalRanks, " sources");
-    std::vector<const void*> ptrs;
-    for (const auto& s : srcs) {
-      TORCH_CHECK(s.numel() == dst.numel() && s.scalar_type() == srcs[0].scalar_type(),
-                  "ddpx: kernel_reduce sources must match in size and dtype");
-      kernel_dtype(s);
-      ptrs.push_back(s.data_ptr());
-    }
-    kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
-                              kernel_dtype(srcs[0]), dst.numel(),
-                              stream ? Store::Streaming : Store::Cached);
-  }, py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false);
+  m.def(
+      "kernel_pack",
+      [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa, bool stream) {
+        TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_pack needs equal sizes");
+        kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(),
+                                kernel_dtype(src), src.numel(), scale,
+                                stream ? Store::Streaming : Store::Cached);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"), py::arg("stream") = false);
+  m.def(
+      "kernel_copy",
+      [](at::Tensor dst, const at::Tensor& src, const std::string& isa, bool stream) {
+        TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
+                    "ddpx: kernel_copy needs contiguous tensors of equal bytes");
+        kernels_named(isa).copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                                stream ? Store::Streaming : Store::Cached);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("stream") = false);
+  m.def(
+      "kernel_reduce",
+      [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa, bool stream) {
+        TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",
+                    kMaxLocalRanks, " sources");
+        std::vector<const void*> ptrs;
+        for (const auto& s : srcs) {
+          TORCH_CHECK(s.numel() == dst.numel() && s.scalar_type() == srcs[0].scalar_type(),
+                      "ddpx: kernel_reduce sources must match in size and dtype");
+          kernel_dtype(s);
+          ptrs.push_back(s.data_ptr());
+        }
+        kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
+                                  kernel_dtype(srcs[0]), dst.numel(),
+                                  stream ? Store::Streaming : Store::Cached);
+      },
+      py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false);
 }

@@ -34,7 +34,7 @@ class ProcessGroupCrossNode final : public CrossNode {
  public:
   // groups: the dealing and the gathering group of each lane, in turn.
   ProcessGroupCrossNode(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
-              std::chrono::milliseconds timeout, std::shared_ptr<AbortWatch> watch)
+                        std::chrono::milliseconds timeout, std::shared_ptr<AbortWatch> watch)
       : groups_(std::move(groups)), timeout_(timeout), link_(std::make_shared<Link>()) {
     TORCH_INTERNAL_ASSERT(!groups_.empty() && groups_.size() % 2 == 0,
                           "ddpx: a lane across nodes is two process groups");
@@ -141,7 +141,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
     DType acc, wire;
     int64_t n = 0, piece = 0;
-    at::Tensor dealt, received, mine;  // compressed: the wire-dtype pieces
+    at::Tensor dealt, received, mine;     // compressed: the wire-dtype pieces
     c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
     std::promise<void> gathering_started;  // set by the link thread once work gathers

@@ -10,8 +10,12 @@
 
 namespace ddpx {
 
-struct BFloat16 { uint16_t bits; };
-struct Float16 { uint16_t bits; };
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -36,17 +40,23 @@ inline float to_float(Float16 x) {
   return bits_float(sign | ((em << 13) + 0x38000000u));
 }
 
-template <class T> T from_float(float f);
+template <class T>
+T from_float(float f);
 
-template <> inline float from_float<float>(float f) { return f; }
+template <>
+inline float from_float<float>(float f) {
+  return f;
+}
 
-template <> inline BFloat16 from_float<BFloat16>(float f) {
+template <>
+inline BFloat16 from_float<BFloat16>(float f) {
   const uint32_t u = float_bits(f);
   if (f != f) return {0x7fc0};
   return {uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 
-template <> inline Float16 from_float<Float16>(float f) {
+template <>
+inline Float16 from_float<Float16>(float f) {
   uint32_t u = float_bits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   u &= 0x7fffffffu;
@@ -62,12 +72,17 @@ template <> inline Float16 from_float<Float16>(float f) {
 }
 
 // Calls fn with a null pointer of the C++ type that stands for t.
-template <class Fn> decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
+template <class Fn>
+decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
   switch (t) {
-    case DType::Float32: return fn(static_cast<float*>(nullptr));
-    case DType::Float64: return fn(static_cast<double*>(nullptr));
-    case DType::BFloat16: return fn(static_cast<BFloat16*>(nullptr));
-    case DType::Float16: return fn(static_cast<Float16*>(nullptr));
+    case DType::Float32:
+      return fn(static_cast<float*>(nullptr));
+    case DType::Float64:
+      return fn(static_cast<double*>(nullptr));
+    case DType::BFloat16:
+      return fn(static_cast<BFloat16*>(nullptr));
+    case DType::Float16:
+      return fn(static_cast<Float16*>(nullptr));
   }
   throw std::invalid_argument("ddpx: unknown dtype code");
 }

@@ -22,8 +22,8 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   }
   std::vector<at::Tensor> tensors{as_real(tensor)};
   auto work = group.allreduce(tensors, opts);
-  return work->getFuture()->then(
-      [tensor](c10::ivalue::Future&) { return c10::IValue(tensor); }, c10::TensorType::get());
+  return work->getFuture()->then([tensor](c10::ivalue::Future&) { return c10::IValue(tensor); },
+                                 c10::TensorType::get());
 }
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node,
@@ -134,8 +134,8 @@ std::string ShmEngine::describe() const {
     const std::string wide = shm.wide_sizes();
     const std::string wide_kib = std::to_string(shm.wide_bytes() >> 10) + " KiB ones";
     if (shm.steps() == ShmAllreduce::Steps::Timed) {
-      out << " (" << wide_kib << " for the sizes timed faster so: "
-          << (wide.empty() ? "none yet" : wide) << ")";
+      out << " (" << wide_kib
+          << " for the sizes timed faster so: " << (wide.empty() ? "none yet" : wide) << ")";
     } else if (!wide.empty()) {
       out << " (" << wide_kib << " for " << wide << ")";
     }
@@ -157,7 +157,7 @@ ProcessGroupEngine::ProcessGroupEngine(c10::intrusive_ptr<c10d::ProcessGroup> gr
     : group_(std::move(group)), reason_(std::move(reason)) {}
 
 c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::run_async(at::Tensor tensor,
-                                                                       Request request) {
+                                                                      Request request) {
   TORCH_CHECK_VALUE(!request.wire || *request.wire == tensor.scalar_type(),
                     "ddpx: compression is not available on the process-group path (", reason_, ")");
   return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false);

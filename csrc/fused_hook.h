@@ -16,8 +16,8 @@ namespace ddpx {
 struct FusedHookConfig {
   std::shared_ptr<Engine> engine;
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // the model's: sparse buckets go through it
-  double scale;                        // 1 / world size: DDP averages gradients
-  std::optional<at::ScalarType> wire;  // compression dtype, or none
+  double scale;                                  // 1 / world size: DDP averages gradients
+  std::optional<at::ScalarType> wire;            // compression dtype, or none
 };
 
 class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
@@ -29,7 +29,8 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
       return scaled_allreduce(*state_.group, bucket.getBufferRef(), state_.scale,
                               /*premul_sum=*/false);
     }
-    Request request{state_.scale, state_.wire, "gradient bucket " + std::to_string(bucket.getIndex())};
+    Request request{state_.scale, state_.wire,
+                    "gradient bucket " + std::to_string(bucket.getIndex())};
     return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
   }
 };

@@ -7,11 +7,16 @@ namespace ddpx {
 
 std::optional<DType> to_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return DType::Float32;
-    case at::kDouble: return DType::Float64;
-    case at::kBFloat16: return DType::BFloat16;
-    case at::kHalf: return DType::Float16;
-    default: return std::nullopt;
+    case at::kFloat:
+      return DType::Float32;
+    case at::kDouble:
+      return DType::Float64;
+    case at::kBFloat16:
+      return DType::BFloat16;
+    case at::kHalf:
+      return DType::Float16;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -28,13 +33,12 @@ at::Tensor as_real(const at::Tensor& tensor) {
              : tensor;
 }
 
-std::string invalid_input(const at::Tensor& input, const Request& request,
-                          c10::DeviceType device) {
+std::string invalid_input(const at::Tensor& input, const Request& request, c10::DeviceType device) {
   const at::Tensor tensor = as_real(input);
   // The common case, valid and uncompressed, returns before a message is built.
   if (tensor.defined() && tensor.layout() == at::kStrided && tensor.device().type() == device &&
-      tensor.is_contiguous() &&
-      to_dtype(tensor.scalar_type()) && (!request.wire || *request.wire == tensor.scalar_type())) {
+      tensor.is_contiguous() && to_dtype(tensor.scalar_type()) &&
+      (!request.wire || *request.wire == tensor.scalar_type())) {
     return {};
   }
   const bool cpu = device == c10::DeviceType::CPU;

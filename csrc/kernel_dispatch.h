@@ -27,8 +27,9 @@ inline void reduce_float64(double* dst, const double* const* srcs, int nsrc, int
 
 inline void require_float64_pair(DType a, DType b) {
   if ((a == DType::Float64) != (b == DType::Float64)) {
-    throw std::invalid_argument(std::string("ddpx: float64 data can only be reduced as float64, got ") +
-                                dtype_name(a) + " with " + dtype_name(b));
+    throw std::invalid_argument(
+        std::string("ddpx: float64 data can only be reduced as float64, got ") + dtype_name(a) +
+        " with " + dtype_name(b));
   }
 }
 

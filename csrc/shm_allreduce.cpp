@@ -129,14 +129,14 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   // in the cache: from memory, reading it in the sum is slower than copying it in first.
   const bool own_slice_direct =
       !one_shot && wire == dtype && scale == 1.0 && out_store == Store::Cached;
-  AllreduceCall call{blocks,
-                     call_meta(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale,
-                               0),
-                     scale,
-                     wide,
-                     own_slice_direct,
-                     out_store,
-                     what};
+  AllreduceCall call{
+      blocks,
+      call_meta(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale, 0),
+      scale,
+      wide,
+      own_slice_direct,
+      out_store,
+      what};
   if (cross_node_) {
     allreduce_across_nodes(call);
     return;

@@ -118,7 +118,7 @@ class ShmAllreduce {
   // of each, which it sums for the node in the two-phase schedules.
   struct Blocks {
     char* data;
-    DType dtype, wire, acc;  // acc: the dtype of the sums, float32 (float64 for float64)
+    DType dtype, wire, acc;       // acc: the dtype of the sums, float32 (float64 for float64)
     int64_t numel, per_block, n;  // n: how many blocks
     size_t data_size, wire_size, acc_size;
     int ranks, me;

@@ -21,7 +21,7 @@ constexpr size_t kPage = 4096;
 // sched_yield alone costs a time slice per synchronisation once a process outside the job shares
 // the core, and spinning without looking at where the awaited rank runs costs twice the time
 // under that load (docs/under-load.md).
-constexpr auto kSpinFor = std::chrono::microseconds(50);    // pause-spin while peers may run
+constexpr auto kSpinFor = std::chrono::microseconds(50);  // pause-spin while peers may run
 // Spinning longer costs no awaited rank its CPU when each one is bound where this rank is not:
 // then it competes only with what else runs on this CPU, which the scheduler shares out anyway,
 // and a rank that sleeps through a peer's short descheduling waits a time slice to get back.
@@ -40,7 +40,7 @@ constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper c
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 uint64_t pid_namespace() {
-  struct stat st {};
+  struct stat st{};
   return stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
 }
 
@@ -90,8 +90,8 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 struct alignas(64) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // last step whose block this rank has put in its input slot
   char pad0[56];
-  std::atomic<uint64_t> reduced;  // last step whose slice this rank has summed (two-phase)
-  std::atomic<int32_t> cpu;       // the CPU this rank last published from
+  std::atomic<uint64_t> reduced;      // last step whose slice this rank has summed (two-phase)
+  std::atomic<int32_t> cpu;           // the CPU this rank last published from
   std::atomic<int64_t> published_ns;  // when this rank last published, on the steady clock
   char pad1[44];
   // Peers waiting for this rank sleep on `wake`, which it bumps when it publishes while
@@ -99,11 +99,11 @@ struct alignas(64) ShmChannel::RankControl {
   std::atomic<uint32_t> sleepers;
   std::atomic<uint32_t> wake;
   char pad2[56];
-  CallMeta meta[2];               // per slot parity: what the call starting at that step is
-  cpu_set_t allowed;              // the CPUs this rank may run on, as of its last call
+  CallMeta meta[2];   // per slot parity: what the call starting at that step is
+  cpu_set_t allowed;  // the CPUs this rank may run on, as of its last call
   int32_t pid;
   uint64_t pid_ns;
-  char message[512];              // why this rank rejected its input or aborted
+  char message[512];  // why this rank rejected its input or aborted
 };
 
 struct ShmChannel::Header {
@@ -282,8 +282,7 @@ std::string ShmChannel::wait_policy() const {
   const int cpus = ranks_cpu_count();
   if (layout_.nranks > cpus) {
     return "waits yield first (" + std::to_string(layout_.nranks) + " ranks may run on " +
-           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) +
-           ", then sleep";
+           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) + ", then sleep";
   }
   return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
          (apart ? " (this rank is bound apart from its peers)" : "") +
@@ -342,8 +341,7 @@ bool ShmChannel::spin_while_running(Phase phase, uint64_t step, Clock::time_poin
     }
     now = Clock::now();
   } while (!awaited_on_cpu(phase, step, cpu) && now - start < spin_for &&
-           (wide ||
-            !awaited_quiet(phase, step, now.time_since_epoch().count() - quiet_ns)));
+           (wide || !awaited_quiet(phase, step, now.time_since_epoch().count() - quiet_ns)));
   return false;
 }
 

@@ -65,9 +65,12 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   char* bytes_at = static_cast<char*>(data);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
-    const uint64_t step = exchange(mine, b == 0, [&](char* slot) {
-      if (me == root) k.copy(slot, bytes_at + lo, count, Store::Cached);
-    }, what);
+    const uint64_t step = exchange(
+        mine, b == 0,
+        [&](char* slot) {
+          if (me == root) k.copy(slot, bytes_at + lo, count, Store::Cached);
+        },
+        what);
     if (me != root) k.copy(bytes_at + lo, channel_.input_slot(root, step), count, store);
   }
 }
@@ -90,14 +93,17 @@ void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t lo = s * part, todo = std::min(part, count - lo);
-    const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
-      if (todo <= 0) return;
-      for (int r = 0; r < n; ++r) {
-        k.pack(slot + size_t(r * part) * wire_size, wire,
-               static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, scale,
-               Store::Cached);
-      }
-    }, what);
+    const uint64_t step = exchange(
+        mine, s == 0,
+        [&](char* slot) {
+          if (todo <= 0) return;
+          for (int r = 0; r < n; ++r) {
+            k.pack(slot + size_t(r * part) * wire_size, wire,
+                   static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, scale,
+                   Store::Cached);
+          }
+        },
+        what);
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) {
       srcs[r] = channel_.input_slot(r, step) + size_t(me * part) * wire_size;
@@ -123,15 +129,18 @@ void ShmAllreduce::alltoall(const void* const* ins, const size_t* sends, void* c
   };
   for (size_t s = 0; s < steps; ++s) {
     const size_t lo = s * part;
-    const uint64_t step = exchange(mine, s == 0, [&](char* slot) {
-      for (int r = 0; r < n; ++r) {
-        const size_t count = r == me ? 0 : piece(sends[r], lo);
-        if (count > 0) {
-          k.copy(slot + size_t(r) * part, static_cast<const char*>(ins[r]) + lo, count,
-                 Store::Cached);
-        }
-      }
-    }, what);
+    const uint64_t step = exchange(
+        mine, s == 0,
+        [&](char* slot) {
+          for (int r = 0; r < n; ++r) {
+            const size_t count = r == me ? 0 : piece(sends[r], lo);
+            if (count > 0) {
+              k.copy(slot + size_t(r) * part, static_cast<const char*>(ins[r]) + lo, count,
+                     Store::Cached);
+            }
+          }
+        },
+        what);
     for (int r = 0; r < n; ++r) {
       const size_t count = piece(receives[r], lo);
       if (count == 0) continue;

@@ -60,20 +60,25 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
     const int64_t* theirs = all.data() + size_t(node) * words.size();
     if (theirs[0] != 0) {
       C10_THROW_ERROR(Error, "ddpx: " + what + " failed on node " + std::to_string(node) +
-                                      " (a rank there rejected its input or disagreed with its "
-                                      "node; its error says which), so every node stops it");
+                                 " (a rank there rejected its input or disagreed with its "
+                                 "node; its error says which), so every node stops it");
     }
     if (!std::equal(words.begin() + 1, words.end(), theirs + 1)) {
       double scale;
       std::memcpy(&scale, &theirs[5], sizeof scale);
-      const CallMeta other{uint64_t(theirs[1]), theirs[2], int32_t(theirs[3]), int32_t(theirs[4]),
-                           scale, int32_t(Collective::AllReduce), 0};
+      const CallMeta other{uint64_t(theirs[1]),
+                           theirs[2],
+                           int32_t(theirs[3]),
+                           int32_t(theirs[4]),
+                           scale,
+                           int32_t(Collective::AllReduce),
+                           0};
       C10_THROW_ERROR(
-          Error,
-          "ddpx: nodes disagree on " + what + ": " + channel_.rank_name(channel_.me()) +
-              " on node " + std::to_string(cross_node_->node()) + " has " + describe_call(mine) +
-              ", its peer on node " + std::to_string(node) + " has " + describe_call(other) +
-              ". Every rank must reduce the same sizes and dtypes in the same order");
+          Error, "ddpx: nodes disagree on " + what + ": " + channel_.rank_name(channel_.me()) +
+                     " on node " + std::to_string(cross_node_->node()) + " has " +
+                     describe_call(mine) + ", its peer on node " + std::to_string(node) + " has " +
+                     describe_call(other) +
+                     ". Every rank must reduce the same sizes and dtypes in the same order");
     }
   }
 }
@@ -123,8 +128,8 @@ void ShmAllreduce::allreduce_across_nodes(AllreduceCall& call) {
     for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
       const uint64_t step = ++step_;
       const auto [lo, hi] = x.slice(x.elements(b));
-      kernels().pack(channel_.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
-                     x.acc, hi - lo, 1.0, Store::Cached);
+      kernels().pack(channel_.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b), x.acc,
+                     hi - lo, 1.0, Store::Cached);
       copy_out(call, step, b);
     }
   };

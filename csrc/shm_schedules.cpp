@@ -82,9 +82,8 @@ void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, Clock::durat
     }
     return best;
   };
-  const bool explored = std::all_of(candidates, candidates + n, [&](Schedule s) {
-    return t.timed[s] > 0;
-  });
+  const bool explored =
+      std::all_of(candidates, candidates + n, [&](Schedule s) { return t.timed[s] > 0; });
   if (ran != t.last && explored && ran != fastest()) ++t.trials;
   t.run = ran == t.last ? t.run + 1 : 1;
   t.last = ran;
@@ -129,8 +128,8 @@ ShmAllreduce::Schedule ShmAllreduce::schedule_for(size_t bytes, int timed) const
   return kNarrow;
 }
 
-CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype,
-                                               int32_t wire, double scale, int root) {
+CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire,
+                                 double scale, int root) {
   return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_};
 }
 

@@ -27,8 +27,8 @@ std::shared_ptr<ShmSegment> ShmSegment::create(const std::string& name, size_t b
   close(fd);
   if (err != 0) {
     shm_unlink(name.c_str());
-    system_error("cannot reserve " + std::to_string(bytes >> 20) + " MiB of shared memory in /dev/shm",
-                 err);
+    system_error(
+        "cannot reserve " + std::to_string(bytes >> 20) + " MiB of shared memory in /dev/shm", err);
   }
   return std::shared_ptr<ShmSegment>(new ShmSegment(static_cast<char*>(p), bytes));
 }
@@ -36,7 +36,7 @@ std::shared_ptr<ShmSegment> ShmSegment::create(const std::string& name, size_t b
 std::shared_ptr<ShmSegment> ShmSegment::attach(const std::string& name, size_t bytes) {
   const int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) system_error("cannot open shared memory " + name, errno);
-  struct stat st {};
+  struct stat st{};
   if (fstat(fd, &st) != 0 || size_t(st.st_size) != bytes) {
     close(fd);
     TORCH_CHECK(false, "ddpx: shared memory ", name, " has ", st.st_size, " bytes, expected ",

@@ -29,16 +29,22 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
 
 template <typename T>
-__device__ __forceinline__ Pack<T> load(const T* p) { return *reinterpret_cast<const Pack<T>*>(p); }
+__device__ __forceinline__ Pack<T> load(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
 
 template <typename T>
 __device__ __forceinline__ void store(T* p, const Pack<T>& pack) {
@@ -104,9 +110,12 @@ unsigned blocks_for(int64_t n, bool vectorized) {
 template <typename Launch>
 cudaError_t with_type(WireType type, Launch launch) {
   switch (type) {
-    case WireType::Float32: return launch(float{});
-    case WireType::BFloat16: return launch(__nv_bfloat16{});
-    case WireType::Float16: return launch(__half{});
+    case WireType::Float32:
+      return launch(float{});
+    case WireType::BFloat16:
+      return launch(__nv_bfloat16{});
+    case WireType::Float16:
+      return launch(__half{});
   }
   return cudaErrorInvalidValue;
 }

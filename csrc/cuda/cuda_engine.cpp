@@ -30,10 +30,14 @@ constexpr int64_t kSliceAlign = 8;
 
 std::optional<cuda::WireType> wire_type(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return cuda::WireType::Float32;
-    case at::kBFloat16: return cuda::WireType::BFloat16;
-    case at::kHalf: return cuda::WireType::Float16;
-    default: return std::nullopt;
+    case at::kFloat:
+      return cuda::WireType::Float32;
+    case at::kBFloat16:
+      return cuda::WireType::BFloat16;
+    case at::kHalf:
+      return cuda::WireType::Float16;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -69,8 +73,8 @@ class CudaEngine final : public Engine {
   }
 
   std::string describe() const override {
-    return "ddpx CUDA engine (" + backend_ + "): " +
-           (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
+    return "ddpx CUDA engine (" + backend_ +
+           "): " + (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
            " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather";
   }
 
@@ -125,38 +129,48 @@ class CudaEngine final : public Engine {
 }  // namespace
 
 void bind_cuda(py::module& m) {
-  m.def("make_cuda_engine",
-        [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::optional<double> timeout_s) {
-          const auto timeout = timeout_s ? std::chrono::milliseconds(int64_t(*timeout_s * 1000.0))
-                                         : c10d::kUnsetTimeout;
-          return std::shared_ptr<Engine>(std::make_shared<CudaEngine>(std::move(group), timeout));
-        },
-        py::arg("group"), py::arg("timeout_s") = py::none());
+  m.def(
+      "make_cuda_engine",
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::optional<double> timeout_s) {
+        const auto timeout = timeout_s ? std::chrono::milliseconds(int64_t(*timeout_s * 1000.0))
+                                       : c10d::kUnsetTimeout;
+        return std::shared_ptr<Engine>(std::make_shared<CudaEngine>(std::move(group), timeout));
+      },
+      py::arg("group"), py::arg("timeout_s") = py::none());
 
   // The kernels alone, on the current stream, for the tests that hold them against torch.
-  m.def("cuda_scale_cast", [](at::Tensor dst, const at::Tensor& src, double scale) {
-    const cuda::WireType dst_type = kernel_type(dst, "dst");
-    const cuda::WireType src_type = kernel_type(src, "src");
-    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "ddpx: pass contiguous tensors");
-    TORCH_CHECK(dst.numel() == src.numel() && dst.device() == src.device(),
-                "ddpx: dst and src must have the same size and device");
-    const c10::cuda::CUDAGuard device(dst.device());
-    C10_CUDA_CHECK(cuda::scale_cast(dst.data_ptr(), dst_type, src.data_ptr(), src_type, src.numel(),
-                                    float(scale), at::cuda::getCurrentCUDAStream()));
-  }, py::arg("dst"), py::arg("src"), py::arg("scale"));
+  m.def(
+      "cuda_scale_cast",
+      [](at::Tensor dst, const at::Tensor& src, double scale) {
+        const cuda::WireType dst_type = kernel_type(dst, "dst");
+        const cuda::WireType src_type = kernel_type(src, "src");
+        TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "ddpx: pass contiguous tensors");
+        TORCH_CHECK(dst.numel() == src.numel() && dst.device() == src.device(),
+                    "ddpx: dst and src must have the same size and device");
+        const c10::cuda::CUDAGuard device(dst.device());
+        C10_CUDA_CHECK(cuda::scale_cast(dst.data_ptr(), dst_type, src.data_ptr(), src_type,
+                                        src.numel(), float(scale),
+                                        at::cuda::getCurrentCUDAStream()));
+      },
+      py::arg("dst"), py::arg("src"), py::arg("scale"));
 
-  m.def("cuda_sum_slices", [](at::Tensor dst, const at::Tensor& src) {
-    const cuda::WireType type = kernel_type(dst, "dst");
-    TORCH_CHECK(src.dim() == 2 && src.size(0) >= 1 && src.stride(1) == 1 &&
-                    src.stride(0) >= src.size(1),
-                "ddpx: src must be a (slices, n) tensor whose rows are contiguous and disjoint");
-    TORCH_CHECK(dst.is_contiguous() && dst.numel() == src.size(1) &&
-                    src.scalar_type() == dst.scalar_type() && src.device() == dst.device(),
-                "ddpx: dst must be contiguous, with n elements of src's dtype on src's device");
-    const c10::cuda::CUDAGuard device(dst.device());
-    C10_CUDA_CHECK(cuda::sum_slices(dst.data_ptr(), src.data_ptr(), type, src.size(0),
-                                    src.stride(0), src.size(1), at::cuda::getCurrentCUDAStream()));
-  }, py::arg("dst"), py::arg("src"));
+  m.def(
+      "cuda_sum_slices",
+      [](at::Tensor dst, const at::Tensor& src) {
+        const cuda::WireType type = kernel_type(dst, "dst");
+        TORCH_CHECK(
+            src.dim() == 2 && src.size(0) >= 1 && src.stride(1) == 1 &&
+                src.stride(0) >= src.size(1),
+            "ddpx: src must be a (slices, n) tensor whose rows are contiguous and disjoint");
+        TORCH_CHECK(dst.is_contiguous() && dst.numel() == src.size(1) &&
+                        src.scalar_type() == dst.scalar_type() && src.device() == dst.device(),
+                    "ddpx: dst must be contiguous, with n elements of src's dtype on src's device");
+        const c10::cuda::CUDAGuard device(dst.device());
+        C10_CUDA_CHECK(cuda::sum_slices(dst.data_ptr(), src.data_ptr(), type, src.size(0),
+                                        src.stride(0), src.size(1),
+                                        at::cuda::getCurrentCUDAStream()));
+      },
+      py::arg("dst"), py::arg("src"));
 }
 
 }  // namespace ddpx
