@@ -16,6 +16,7 @@
 #include <string>
 
 #include "../engine.h"
+#include "../torch_compat.h"
 #include "compress_kernels.h"
 
 namespace ddpx {
