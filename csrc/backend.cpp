@@ -207,7 +207,7 @@ std::vector<at::Tensor> parts_of(const at::Tensor& flat, int world, int64_t coun
 // a time, combined in rank order, exactly (as gloo does, integer sums wrapping around).
 void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& op,
                      const std::string& what) {
-  const int n = shm.local_size();
+  const int n = shm.group_size();
   const int64_t numel = data.numel();
   const int64_t per = std::max<int64_t>(1, kGatherChunkBytes / int64_t(data.element_size()));
   at::Tensor flat = data.view(-1);
@@ -290,7 +290,7 @@ void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
     if (!why.empty()) shm.reject(why, what);
     at::Tensor all = at::cat(ins);
     reduce_gathered(shm, all, op, what);
-    out.view(-1).copy_(all.narrow(0, int64_t(shm.local_rank()) * out.numel(), out.numel()));
+    out.view(-1).copy_(all.narrow(0, int64_t(shm.group_rank()) * out.numel(), out.numel()));
   }
   write_back(output, out);
 }
@@ -332,8 +332,8 @@ std::string Backend::describe() const {
   if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
   return engine_->describe() +
          (local() ? ""
-                  : "; only the all-reduce of floating-point sums uses it, the other "
-                    "collectives go to gloo");
+                  : "; across nodes all-to-all, gather and scatter go to gloo, with "
+                    "point-to-point as on one node");
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
@@ -430,7 +430,7 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
     if (!why.empty()) shm.reject(why, what);
     at::Tensor out = dense(output);
     const at::Tensor own =
-        out.view(-1).narrow(0, int64_t(shm.local_rank()) * input.numel(), input.numel());
+        out.view(-1).narrow(0, int64_t(shm.group_rank()) * input.numel(), input.numel());
     const at::Tensor in = apart_from(dense(input), out, own);
     shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
                   pointers<void*>(parts_of(out, world, input.numel())).data(), what);
@@ -522,7 +522,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
                                                   const c10d::AllreduceOptions& opts) {
   require(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
-  if (t.layout() == at::kStrided && engine_ && (local() || kernel_sum(t, opts.reduceOp))) {
+  if (t.layout() == at::kStrided && engine_) {
     return on_engine("all_reduce", opts, tensors, {allreduce_step(t, opts.reduceOp)});
   }
   return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
@@ -535,10 +535,9 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  const bool engine =
-      engine_ && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
-        return t.layout() == at::kStrided && (local() || kernel_sum(t, opts.reduceOp));
-      });
+  const bool engine = engine_ && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
+                        return t.layout() == at::kStrided;
+                      });
   if (!engine) return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   std::vector<Step> steps;
   for (const auto& t : tensors) steps.push_back(allreduce_step(t, opts.reduceOp));
@@ -548,7 +547,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
                                                   const c10d::BroadcastOptions& opts) {
   require(tensors.size() == 1, "ddpx: broadcast takes one CPU tensor");
-  if (!local()) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
+  if (!engine_) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
   return on_engine("broadcast", opts, tensors, {[tensor, root](ShmAllreduce& shm) {
@@ -563,7 +562,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
                                                   std::vector<at::Tensor>& inputs,
                                                   const c10d::AllgatherOptions& opts) {
   require(inputs.size() == 1 && outputs.size() == 1, "ddpx: all_gather takes one CPU tensor");
-  if (!local()) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
+  if (!engine_) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
   const std::vector<at::Tensor> outs = outputs[0];
   const at::Tensor input = inputs[0];
   const int world = getSize();
@@ -577,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
                      for (int r = 0; r < world; ++r) {
                        in =
                            apart_from(in, dense_outs[size_t(r)],
-                                      r == shm.local_rank() ? dense_outs[size_t(r)] : at::Tensor());
+                                      r == shm.group_rank() ? dense_outs[size_t(r)] : at::Tensor());
                      }
                      shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
                                    pointers<void*>(dense_outs).data(), what);
@@ -587,7 +586,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  if (!local()) {
+  if (!engine_) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
   return on_engine("all_gather_into_tensor", opts, {output}, {allgather_step(output, input)});
@@ -596,7 +595,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (!local()) {
+  if (!engine_) {
     return on_gloo("all_gather_into_tensor_coalesced",
                    gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
@@ -616,7 +615,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
   require(inputs.size() == 1 && outputs.size() == 1, "ddpx: reduce_scatter takes one CPU tensor");
-  if (!local()) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
+  if (!engine_) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
   const at::Tensor output = outputs[0];
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
@@ -632,7 +631,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (!local()) {
+  if (!engine_) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
   return on_engine("reduce_scatter_tensor", opts, {output},
@@ -642,7 +641,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (!local()) {
+  if (!engine_) {
     return on_gloo("reduce_scatter_tensor_coalesced",
                    gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
@@ -655,11 +654,9 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
-  if (!local()) return on_gloo("barrier", gloo_->barrier(opts));
-  return on_engine("barrier", opts, {}, {[](ShmAllreduce& shm) {
-                     const std::vector<void*> nowhere(size_t(shm.local_size()), nullptr);
-                     shm.allgather(nullptr, 0, nowhere.data(), "torch.distributed.barrier");
-                   }});
+  if (!engine_) return on_gloo("barrier", gloo_->barrier(opts));
+  return on_engine("barrier", opts, {},
+                   {[](ShmAllreduce& shm) { shm.barrier("torch.distributed.barrier"); }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
@@ -667,7 +664,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   require(tensors.size() == 1, "ddpx: reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
   const int root = int(opts.rootRank);
-  if (!local() || t.layout() != at::kStrided || root < 0 || root >= getSize()) {
+  if (!engine_ || t.layout() != at::kStrided || root < 0 || root >= getSize()) {
     return on_gloo("reduce", gloo_->reduce(tensors, opts));
   }
   // The all-reduce, whose result the other ranks drop: their tensors keep their values.

@@ -1,7 +1,7 @@
 // ddpx as a torch.distributed backend for CPU tensors ("ddpx", "cpu:ddpx,cuda:nccl"): the
-// collectives that sum or move a group's tensors run on the node's shared-memory engine, and
-// what it does not serve (point-to-point, and on a job of several nodes everything but the
-// all-reduce of floating-point sums) goes to an inner gloo backend of the same ranks.
+// collectives that sum or move a group's tensors run on the node's shared-memory engine
+// (hierarchically, on a job of several nodes), and what it does not serve (point-to-point, and
+// across nodes all-to-all, gather and scatter) goes to an inner gloo backend of the same ranks.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -129,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
          bool initialize, std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> cross_node_groups,
          size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
-         std::string abort_key) {
+         std::string abort_key, std::vector<int> node_ranks) {
         auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
         auto shm = std::make_unique<ShmAllreduce>(
             std::move(segment), ShmLayout{nranks, block_bytes, wide_bytes}, local_rank,
@@ -140,15 +140,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                        store.value_or(c10::intrusive_ptr<c10d::Store>()),
                                        std::move(abort_key));
         }
-        return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node),
-                                           cross_chunk_bytes);
+        return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node), cross_chunk_bytes,
+                                           std::move(node_ranks));
       },
       py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
       py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
       py::arg("initialize"),
       py::arg("cross_node_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
       py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
-      py::arg("abort_key") = std::string());
+      py::arg("abort_key") = std::string(), py::arg("node_ranks") = std::vector<int>());
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init([](int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,

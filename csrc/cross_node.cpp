@@ -73,7 +73,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     const int64_t n = int64_t(mine.size());
     words_in_ = at::tensor(at::IntArrayRef(mine), at::kLong);
     words_out_ = at::empty({n * nodes_}, at::kLong);
-    gathering_ = all_gather(*groups_[0], words_out_, words_in_, timeout_);
+    gathering_ = ddpx::all_gather(*groups_[0], words_out_, words_in_, timeout_);
   }
 
   std::vector<int64_t> finish_gather() override {
@@ -110,7 +110,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
     std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     chunk->gathering_group = groups_[lane + 1];
-    chunk->work = all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+    chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
     chunk->gathering = chunk->gathering_started.get_future();
     {
       std::lock_guard<std::mutex> lock(link_->mu);
@@ -118,6 +118,28 @@ class ProcessGroupCrossNode final : public CrossNode {
     }
     link_->cv.notify_all();
     pending_.push_back(std::move(chunk));
+  }
+
+  void all_gather(const void* in, size_t bytes, void* out) override {
+    at::Tensor from = bytes_at(const_cast<void*>(in), bytes), to = bytes_at(out, bytes * nodes_);
+    link_->watch->await(*ddpx::all_gather(*groups_[0], to, from, timeout_));
+    count(int64_t(bytes) * (nodes_ - 1));
+  }
+
+  void broadcast(void* data, size_t bytes, int root) override {
+    std::vector<at::Tensor> tensors{bytes_at(data, bytes)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = timeout_;
+    link_->watch->await(*groups_[0]->broadcast(tensors, opts));
+    if (root == node()) count(int64_t(bytes) * (nodes_ - 1));
+  }
+
+  void all_to_all(const void* in, size_t bytes, void* out) override {
+    at::Tensor from = bytes_at(const_cast<void*>(in), bytes * nodes_);
+    at::Tensor to = bytes_at(out, bytes * nodes_);
+    link_->watch->await(*ddpx::all_to_all(*groups_[0], to, from, timeout_));
+    count(int64_t(bytes) * (nodes_ - 1));
   }
 
   void finish_reduce() override {
@@ -182,7 +204,7 @@ class ProcessGroupCrossNode final : public CrossNode {
         }
         kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece,
                          Store::Cached);
-        c->work = all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
+        c->work = ddpx::all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
         c->gathering_started.set_value();
       } catch (const std::exception& e) {
         broken = "an earlier transfer failed: " + error_text(e);
@@ -190,6 +212,10 @@ class ProcessGroupCrossNode final : public CrossNode {
       }
       link->busy = false;
     }
+  }
+
+  static at::Tensor bytes_at(void* data, size_t bytes) {
+    return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
   }
 
   void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }

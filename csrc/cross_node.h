@@ -1,5 +1,5 @@
-// The cross-node link of the hierarchical all-reduce: the ranks of one local index on every node,
-// and its implementation over process groups.
+// The cross-node link of the hierarchical collectives: the ranks of one local index on every
+// node, and its implementation over process groups.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -29,11 +29,19 @@ class CrossNode {
   // oldest transfer still running and throws its failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
   virtual void finish_reduce() = 0;
+  // Blocking byte moves between the nodes, for the collectives other than the all-reduce; each
+  // throws on failure. all_gather: every node's `bytes` of in land in out (nodes() x bytes, node
+  // order). broadcast: node root's data lands in every node's. all_to_all: part n of in (nodes()
+  // parts of `bytes`) goes to node n, and part n of out comes from it.
+  virtual void all_gather(const void* in, size_t bytes, void* out) = 0;
+  virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  virtual void all_to_all(const void* in, size_t bytes, void* out) = 0;
   // Tells every other rank of the job that this one gave up (why), so that their waits across
   // nodes end now instead of at their timeout. Does not throw.
   virtual void abort(const std::string& why) noexcept = 0;
-  // Bytes this rank has sent to other nodes so far, counted as a bandwidth-optimal all-reduce
-  // sends them: 2(N-1)/N of the data over N nodes.
+  // Bytes this rank has sent to other nodes so far, counted as bandwidth-optimal algorithms send
+  // them: 2(N-1)/N of an all-reduce's data over N nodes, (N-1) parts of an all-gather or
+  // all-to-all, and a broadcast's data once per other node from its root.
   virtual uint64_t bytes_sent() const = 0;
 };
 

@@ -27,9 +27,9 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
 }
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node,
-                     size_t chunk_bytes)
+                     size_t chunk_bytes, std::vector<int> node_ranks)
     : queue_(std::make_shared<Queue>()), cross_node_(std::move(cross_node)) {
-  if (cross_node_) shm->set_cross_node(cross_node_, chunk_bytes);
+  if (cross_node_) shm->set_cross_node(cross_node_, chunk_bytes, std::move(node_ranks));
   queue_->shm = std::move(shm);
 }
 

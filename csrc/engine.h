@@ -50,10 +50,11 @@ void publish_engine(const std::string& group, c10::DeviceType device,
 
 class ShmEngine final : public Engine {
  public:
-  // With a cross-node link, each rank's slices are summed across nodes between the node's two
-  // phases, in chunks of about chunk_bytes of the message, in the wire dtype when compressed.
+  // With a cross-node link, the collectives are hierarchical (ShmAllreduce::set_cross_node):
+  // an all-reduce's slices cross in chunks of about chunk_bytes of the message, in the wire
+  // dtype when compressed; node_ranks are the group ranks of each node's local ranks.
   explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node = {},
-                     size_t chunk_bytes = 0);
+                     size_t chunk_bytes = 0, std::vector<int> node_ranks = {});
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;

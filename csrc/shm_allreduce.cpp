@@ -83,6 +83,21 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
   }
 }
 
+void ShmAllreduce::check_call(const CallMeta& mine, const std::string& what) {
+  if (!cross_node_) {
+    check_peers_agree(mine, what);
+    return;
+  }
+  std::string local_error;
+  try {
+    check_peers_agree(mine, what);
+  } catch (const c10::Error& e) {
+    local_error = e.what_without_backtrace();
+  }
+  start_node_check(mine, local_error.empty(), what);
+  if (!local_error.empty()) finish_node_check(mine, local_error, what);
+}
+
 std::pair<int64_t, int64_t> ShmAllreduce::Blocks::slice(int64_t count) const {
   const int64_t line = int64_t(64 / wire_size);
   const int64_t size = (count + ranks * line - 1) / (ranks * line) * line;
@@ -168,18 +183,7 @@ uint64_t ShmAllreduce::arrive(AllreduceCall& call, int64_t b) {
   if (b != 0) return step;
   call.skew = Clock::now() - waits_from;
   agree_on_schedules(step);
-  if (!cross_node_) {
-    check_peers_agree(call.meta, call.what);
-    return step;
-  }
-  std::string local_error;
-  try {
-    check_peers_agree(call.meta, call.what);
-  } catch (const c10::Error& e) {
-    local_error = e.what_without_backtrace();
-  }
-  start_node_check(call.meta, local_error.empty(), call.what);
-  if (!local_error.empty()) finish_node_check(call.meta, local_error, call.what);
+  check_call(call.meta, call.what);
   return step;
 }
 

@@ -1,5 +1,5 @@
 // The collectives of the ranks of one node over a shared-memory channel (shm_channel.h), and the
-// hierarchical all-reduce that adds a link across nodes.
+// hierarchical collectives that add a link across nodes.
 //
 // An all-reduce goes through one of three schedules. One-shot: every rank sums every block (one
 // synchronisation per step). Two-phase: each rank sums its slice of a block into a shared float32
@@ -13,7 +13,7 @@
 //
 // The files: shm_allreduce.cpp (calls and their agreement, the one-node all-reduce),
 // shm_schedules.cpp, shm_hierarchical.cpp, shm_collectives.cpp (all-gather, broadcast,
-// reduce-scatter, all-to-all).
+// reduce-scatter, barrier, all-to-all), shm_hierarchical_collectives.cpp (those across nodes).
 #pragma once
 
 #include <atomic>
@@ -46,23 +46,29 @@ class ShmAllreduce {
   void allreduce(void* data, DType dtype, int64_t numel, DType wire, double scale,
                  const std::string& what);
 
-  // The collectives that move bytes or sum slices, one node only (they refuse a hierarchical
-  // engine). Each goes through in blocks, one synchronisation per block, and is checked against
-  // the other ranks' call like allreduce. allgather: every rank's `bytes` bytes of in land at
-  // outs[rank] on every rank (in may be outs[me]). broadcast: local rank root's data lands in
-  // every rank's. reduce_scatter: out (count elements) = the sum over ranks of their ins[me],
-  // each scaled and rounded into wire, summed in rank order in float (double for float64) and
-  // rounded into dtype. outs and ins hold local_size() pointers.
+  // The collectives that move bytes or sum slices. Each is checked against the other ranks'
+  // call like allreduce. On one node each goes through in blocks, one synchronisation per block;
+  // across nodes, see shm_hierarchical_collectives.cpp. Ranks are the group's: outs and ins hold
+  // group_size() pointers, root is a group rank. allgather: every rank's `bytes` bytes of in land
+  // at outs[rank] on every rank (in may be outs[me]). broadcast: rank root's data lands in every
+  // rank's. reduce_scatter: out (count elements) = the sum over ranks of their ins[me], each
+  // scaled and rounded into wire, summed in float (double for float64) and rounded into dtype,
+  // in rank order on one node, within each node then over the nodes in node order across nodes.
+  // barrier: returns once every rank has called it.
   void allgather(const void* in, size_t bytes, void* const* outs, const std::string& what);
   void broadcast(void* data, size_t bytes, int root, const std::string& what);
   void reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire, int64_t count,
                       double scale, const std::string& what);
-  // alltoall: this rank's ins[r] (sends[r] bytes) goes to local rank r, and outs[r]
-  // (receives[r] bytes) receives local rank r's part for this rank. longest, the largest part
-  // any rank sends, must be the same on every rank (the ranks check it): it sets the steps.
+  void barrier(const std::string& what);
+  // alltoall, one node only: this rank's ins[r] (sends[r] bytes) goes to local rank r, and
+  // outs[r] (receives[r] bytes) receives local rank r's part for this rank. longest, the largest
+  // part any rank sends, must be the same on every rank (the ranks check it): it sets the steps.
   void alltoall(const void* const* ins, const size_t* sends, void* const* outs,
                 const size_t* receives, size_t longest, const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
+  // The group: every node's ranks, this one's place among them.
+  int group_size() const;
+  int group_rank() const;
 
   // The largest message (in the wire dtype) that may go one-shot: with fixed steps, every one up
   // to it does; with timed steps, those up to kOneShotAlways do, and the size classes above it
@@ -71,12 +77,14 @@ class ShmAllreduce {
   size_t one_shot_bytes() const { return one_shot_bytes_.load(std::memory_order_relaxed); }
   void set_one_shot_bytes(size_t bytes) { one_shot_bytes_.store(bytes, std::memory_order_relaxed); }
 
-  // Makes the all-reduce hierarchical: intra-node reduce-scatter of a block, a cross-node
-  // all-reduce of this rank's slice of it, intra-node all-gather. Slices cross in chunks of about
-  // chunk_bytes of the message, pipelined: while chunks cross, the node reduce-scatters the next
-  // and all-gathers the ones that are back. Each call is also checked against the other nodes'
-  // before any data crosses.
-  void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes);
+  // Makes the collectives hierarchical. The all-reduce: intra-node reduce-scatter of a block, a
+  // cross-node all-reduce of this rank's slice of it, intra-node all-gather. Slices cross in
+  // chunks of about chunk_bytes of the message, pipelined: while chunks cross, the node
+  // reduce-scatters the next and all-gathers the ones that are back. Each call is also checked
+  // against the other nodes' before any data crosses. node_ranks: the group rank of each node's
+  // local ranks, node by node.
+  void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes,
+                      std::vector<int> node_ranks);
 
   // How the all-reduce picks its schedule: in narrow (the default) or wide steps, one-shot up
   // to one_shot_bytes, or timed (by local rank 0, see time_schedule). Every rank must set the
@@ -159,10 +167,34 @@ class ShmAllreduce {
   // slot, then every peer's is awaited; a call's first step also checks that the ranks agree.
   uint64_t exchange(const CallMeta& mine, bool first, const std::function<void(char*)>& fill,
                     const std::string& what);
+  // The node-local steps of the collectives; first: the first step checks the call (mine).
+  // allgather's place(r, lo, from, count) puts bytes [lo, lo + count) of rank r's in, at from.
+  using Place = std::function<void(int r, size_t lo, const char* from, size_t count)>;
+  void allgather_in_node(const CallMeta& mine, bool first, const void* in, size_t bytes,
+                         const Place& place, const std::string& what);
+  void broadcast_in_node(const CallMeta& mine, bool first, void* data, size_t bytes, int root,
+                         const std::string& what);
+  void reduce_scatter_in_node(const CallMeta& mine, bool first, const void* const* ins, DType dtype,
+                              void* out, DType out_dtype, DType wire, int64_t count, double scale,
+                              const std::string& what);
+  // Across nodes (shm_hierarchical_collectives.cpp).
+  CallMeta checked_across_nodes(Collective op, int64_t numel, int32_t dtype, int32_t wire,
+                                double scale, int root, const std::string& what);
+  void allgather_across_nodes(const void* in, size_t bytes, void* const* outs,
+                              const std::string& what);
+  void broadcast_across_nodes(void* data, size_t bytes, int root, const std::string& what);
+  void reduce_scatter_across_nodes(const void* const* ins, void* out, DType dtype, DType wire,
+                                   int64_t count, double scale, const std::string& what);
+  // Runs a transfer between the nodes; its failure fails the engine, on every rank.
+  void across(const std::string& what, const std::function<void()>& transfer);
+  char* lane_buffer(size_t bytes);
   CallMeta local_call(Collective op, int64_t numel, int32_t dtype, double scale, int root,
                       const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
+  // Checks a call's first step against the peers' and, across nodes, starts its trade with the
+  // other nodes (finish_node_check ends it): raises on every rank where the ranks disagree.
+  void check_call(const CallMeta& mine, const std::string& what);
   // Hierarchical only: sends this call's description and the node's verdict on it (ok: the
   // node's ranks agree) to the other nodes; the finish raises on every rank if any node found a
   // problem (local_error: this node's) or the nodes disagree. Every rank trades once per call, so
@@ -198,6 +230,8 @@ class ShmAllreduce {
   uint64_t calls_ = 0;
   std::shared_ptr<CrossNode> cross_node_;
   size_t chunk_bytes_ = 0;
+  std::vector<int> node_ranks_;
+  std::vector<char> lane_buffer_;  // what a collective other than the all-reduce trades across
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
   std::atomic<Steps> steps_{Steps::Narrow};

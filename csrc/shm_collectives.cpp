@@ -1,5 +1,6 @@
 // The node's collectives other than the all-reduce: each moves or sums its data in blocks, one
-// synchronisation per block, checked against the peers' call at the first.
+// synchronisation per block, checked against the peers' call at the first. Across nodes
+// (shm_hierarchical_collectives.cpp) the same steps frame a transfer between the nodes.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -12,8 +13,9 @@ CallMeta ShmAllreduce::local_call(Collective op, int64_t numel, int32_t dtype, d
                                   int root, const std::string& what) {
   begin_call();
   TORCH_CHECK_VALUE(!cross_node_, "ddpx: ", what,
-                    " spans nodes; the shared-memory engine all-reduces across nodes, the other "
-                    "collectives stay on one");
+                    " spans nodes; the shared-memory engine all-reduces, all-gathers, "
+                    "broadcasts and reduce-scatters across nodes, the other collectives stay on "
+                    "one");
   return call_meta(op, numel, dtype, dtype, scale, root);
 }
 
@@ -26,37 +28,60 @@ uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
   channel_.wait_all(Phase::Arrive, step, what);
   if (first) {
     agree_on_schedules(step);
-    check_peers_agree(mine, what);
+    check_call(mine, what);
   }
   return step;
 }
 
 void ShmAllreduce::allgather(const void* in, size_t bytes, void* const* outs,
                              const std::string& what) {
+  if (cross_node_) {
+    allgather_across_nodes(in, bytes, outs, what);
+    return;
+  }
   const CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
-  const int me = channel_.me();
+  const Store store =
+      bytes * size_t(channel_.size()) >= kStreamBytes ? Store::Streaming : Store::Cached;
+  allgather_in_node(
+      mine, true, in, bytes,
+      [&](int r, size_t lo, const char* from, size_t count) {
+        char* part = static_cast<char*>(outs[r]) + lo;
+        if (part != from) kernels().copy(part, from, count, store);
+      },
+      what);
+}
+
+void ShmAllreduce::allgather_in_node(const CallMeta& mine, bool first, const void* in, size_t bytes,
+                                     const Place& place, const std::string& what) {
   const size_t block = block_bytes();
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
   const Kernels& k = kernels();
-  const Store store =
-      bytes * size_t(channel_.size()) >= kStreamBytes ? Store::Streaming : Store::Cached;
   const char* src = static_cast<const char*>(in);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step = exchange(
-        mine, b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Store::Cached); }, what);
+        mine, first && b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Store::Cached); },
+        what);
+    if (count == 0) continue;
     for (int r = 0; r < channel_.size(); ++r) {
-      char* part = static_cast<char*>(outs[r]) + lo;
-      const char* from = r == me ? src + lo : channel_.input_slot(r, step);
-      if (part != from) k.copy(part, from, count, store);
+      place(r, lo, r == channel_.me() ? src + lo : channel_.input_slot(r, step), count);
     }
   }
 }
 
 void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::string& what) {
-  TORCH_CHECK_VALUE(root >= 0 && root < channel_.size(), "ddpx: broadcast from local rank ", root,
-                    " of ", channel_.size());
+  TORCH_CHECK_VALUE(root >= 0 && root < group_size(), "ddpx: broadcast from rank ", root, " of ",
+                    group_size());
+  if (cross_node_) {
+    broadcast_across_nodes(data, bytes, root, what);
+    return;
+  }
   const CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
+  broadcast_in_node(mine, true, data, bytes, root, what);
+}
+
+void ShmAllreduce::broadcast_in_node(const CallMeta& mine, bool first, void* data, size_t bytes,
+                                     int root, const std::string& what) {
   const int me = channel_.me();
   const size_t block = block_bytes();
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
@@ -66,7 +91,7 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step = exchange(
-        mine, b == 0,
+        mine, first && b == 0,
         [&](char* slot) {
           if (me == root) k.copy(slot, bytes_at + lo, count, Store::Cached);
         },
@@ -75,12 +100,30 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::stri
   }
 }
 
+void ShmAllreduce::barrier(const std::string& what) {
+  begin_call();
+  const CallMeta mine = call_meta(Collective::AllGather, 0, -1, -1, 1.0, 0);
+  exchange(mine, true, [](char*) {}, what);
+  // Each rank's trade with the other nodes ends once every node's ranks have all arrived.
+  if (cross_node_) finish_node_check(mine, "", what);
+}
+
 void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire,
                                   int64_t count, double scale, const std::string& what) {
   TORCH_CHECK_VALUE(count >= 0, "ddpx: negative element count");
+  if (cross_node_) {
+    reduce_scatter_across_nodes(ins, out, dtype, wire, count, scale, what);
+    return;
+  }
   CallMeta mine = local_call(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
-  const int me = channel_.me();
   mine.wire = int32_t(wire);
+  reduce_scatter_in_node(mine, true, ins, dtype, out, dtype, wire, count, scale, what);
+}
+
+void ShmAllreduce::reduce_scatter_in_node(const CallMeta& mine, bool first, const void* const* ins,
+                                          DType dtype, void* out, DType out_dtype, DType wire,
+                                          int64_t count, double scale, const std::string& what) {
+  const int me = channel_.me();
   const Kernels& k = kernels();
   const int n = channel_.size();
   const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
@@ -88,13 +131,14 @@ void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype
   const int64_t line = int64_t(64 / wire_size);
   const int64_t part = int64_t(block_bytes() / (wire_size * size_t(n))) / line * line;
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
-  const Store store = size_t(count) * size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const size_t out_size = dtype_size(out_dtype);
+  const Store store = size_t(count) * out_size >= kStreamBytes ? Store::Streaming : Store::Cached;
   char* dst = static_cast<char*>(out);
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t lo = s * part, todo = std::min(part, count - lo);
     const uint64_t step = exchange(
-        mine, s == 0,
+        mine, first && s == 0,
         [&](char* slot) {
           if (todo <= 0) return;
           for (int r = 0; r < n; ++r) {
@@ -108,7 +152,7 @@ void ShmAllreduce::reduce_scatter(const void* const* ins, void* out, DType dtype
     for (int r = 0; r < n; ++r) {
       srcs[r] = channel_.input_slot(r, step) + size_t(me * part) * wire_size;
     }
-    k.reduce(dst + size_t(lo) * size, dtype, srcs, n, wire, todo, store);
+    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, store);
   }
 }
 

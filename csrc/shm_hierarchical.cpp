@@ -19,10 +19,24 @@ constexpr int64_t kCrossChunksInFlight = 6;
 
 }  // namespace
 
-void ShmAllreduce::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes) {
+void ShmAllreduce::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes,
+                                  std::vector<int> node_ranks) {
   TORCH_CHECK_VALUE(chunk_bytes > 0, "ddpx: the cross-node chunk must have bytes");
+  TORCH_CHECK_VALUE(node_ranks.size() == size_t(cross_node->nodes()) * size_t(channel_.size()),
+                    "ddpx: ", node_ranks.size(), " group ranks for ", cross_node->nodes(),
+                    " nodes of ", channel_.size());
   cross_node_ = std::move(cross_node);
   chunk_bytes_ = chunk_bytes;
+  node_ranks_ = std::move(node_ranks);
+}
+
+int ShmAllreduce::group_size() const {
+  return cross_node_ ? int(node_ranks_.size()) : channel_.size();
+}
+
+int ShmAllreduce::group_rank() const {
+  if (!cross_node_) return channel_.me();
+  return node_ranks_[size_t(cross_node_->node() * channel_.size() + channel_.me())];
 }
 
 // A call as the nodes trade it: the verdict (0: the node's ranks agree), then the CallMeta.
@@ -30,7 +44,7 @@ std::vector<int64_t> ShmAllreduce::node_words(const CallMeta& m, bool ok) {
   int64_t scale_bits;
   static_assert(sizeof scale_bits == sizeof m.scale);
   std::memcpy(&scale_bits, &m.scale, sizeof scale_bits);
-  return {ok ? 0 : 1, int64_t(m.call), m.numel, m.dtype, m.wire, scale_bits};
+  return {ok ? 0 : 1, int64_t(m.call), m.numel, m.dtype, m.wire, scale_bits, m.op, m.root};
 }
 
 void ShmAllreduce::start_node_check(const CallMeta& mine, bool ok, const std::string& what) {
@@ -66,19 +80,16 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
     if (!std::equal(words.begin() + 1, words.end(), theirs + 1)) {
       double scale;
       std::memcpy(&scale, &theirs[5], sizeof scale);
-      const CallMeta other{uint64_t(theirs[1]),
-                           theirs[2],
-                           int32_t(theirs[3]),
-                           int32_t(theirs[4]),
-                           scale,
-                           int32_t(Collective::AllReduce),
-                           0};
+      const CallMeta other{uint64_t(theirs[1]), theirs[2], int32_t(theirs[3]),
+                           int32_t(theirs[4]),  scale,     int32_t(theirs[6]),
+                           int32_t(theirs[7]),  0};
       C10_THROW_ERROR(
           Error, "ddpx: nodes disagree on " + what + ": " + channel_.rank_name(channel_.me()) +
                      " on node " + std::to_string(cross_node_->node()) + " has " +
                      describe_call(mine) + ", its peer on node " + std::to_string(node) + " has " +
                      describe_call(other) +
-                     ". Every rank must reduce the same sizes and dtypes in the same order");
+                     ". Every rank must make the same calls with the same sizes and dtypes, in the "
+                     "same order");
     }
   }
 }

@@ -16,6 +16,7 @@ CPP_SOURCES = (
     "shm_allreduce.cpp",
     "shm_schedules.cpp",
     "shm_hierarchical.cpp",
+    "shm_hierarchical_collectives.cpp",
     "shm_collectives.cpp",
     "torch_compat.cpp",
     "input_checks.cpp",

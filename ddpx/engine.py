@@ -182,9 +182,10 @@ class SharedMemoryUnavailable(Exception):
 
 
 def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, ranks: list[int],
-                       timeout: timedelta, cross_node: list):
+                       timeout: timedelta, cross_node: list, node_ranks: list[int]):
     """Every rank of a node (``local``: its group ranks) returns its engine, or all raise
-    SharedMemoryUnavailable. ``ranks`` maps group ranks to global ones."""
+    SharedMemoryUnavailable. ``ranks`` maps group ranks to global ones; ``node_ranks`` lists the
+    group ranks node by node, where the group spans nodes."""
     C = extension()
     size, index = len(local), local.index(me)
     names = [ranks[r] for r in local]
@@ -198,7 +199,7 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, 0, names,
                                        one_shot_bytes, timeout.total_seconds(), True, cross_node,
                                        cross_chunk_bytes(), meeting.store,
-                                       f"{meeting.prefix}/abort")
+                                       f"{meeting.prefix}/abort", node_ranks)
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put(f"segment/{node}", {"error": str(error)})
             C.ShmSegment.unlink(name)
@@ -221,7 +222,7 @@ def _create_shm_engine(meeting: _Meeting, me: int, local: list[int], node: int, 
             engine = C.make_shm_engine(segment, size, block_bytes, wide_bytes, index, names,
                                        one_shot_bytes, timeout.total_seconds(), False, cross_node,
                                        cross_chunk_bytes(), meeting.store,
-                                       f"{meeting.prefix}/abort")
+                                       f"{meeting.prefix}/abort", node_ranks)
         except Exception as error:  # noqa: BLE001
             failure = f"rank {ranks[me]} could not map the segment: {error}"
         meeting.put(f"attached/{node}/{index}", failure)
@@ -290,7 +291,8 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
                   if len(names) > 1 else [])
     engine, failure = None, None
     try:
-        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, cross_node)
+        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, cross_node,
+                                    [r for m in members for r in m] if cross_node else [])
     except SharedMemoryUnavailable as why:
         failure = str(why)
     # One node without shared memory makes every node fall back: the paths must match.

@@ -1046,8 +1046,9 @@ def test_device_mapped_init_strings_put_cpu_tensors_on_ddpx(backend):
 # Two nodes on one machine: two torchrun launches (GROUP_RANK tells the nodes apart)
 
 def multinode_checks(rank, world):
-    """Float sums through the engine (hierarchically), everything else through gloo; against
-    gloo and the references. Returns the digests every rank must hold bit for bit."""
+    """The all-reduce, all-gather, broadcast, reduce-scatter and barrier through the engine
+    (hierarchically), the all-to-all through gloo; against gloo and the references. Returns the
+    digests every rank must hold bit for bit."""
     quiet()
     gloo = dist.new_group(backend="gloo")
     routes = Routes()
@@ -1072,25 +1073,98 @@ def multinode_checks(rank, world):
     inputs = [make(r, (4097,), torch.int64, "mn-max") for r in range(world)]
     out = inputs[rank].clone()
     dist.all_reduce(out, op=R.MAX)
-    calls["all_reduce", "gloo"] += 1
+    calls["all_reduce", "engine"] += 1
     expect_equal(out, exact_reduction(inputs, "MAX"), "MAX across nodes")
-    t = make(rank, (5000,), torch.bfloat16, "mn-b")
-    dist.broadcast(t, 3)
-    calls["broadcast", "gloo"] += 1
-    expect_equal(t, make(3, (5000,), torch.bfloat16, "mn-b"), "broadcast across nodes")
-    gathered = torch.empty(world * 100, dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, make(rank, (100,), torch.uint8, "mn-g"))
-    calls["all_gather_into_tensor", "gloo"] += 1
-    expect_equal(gathered, torch.cat([make(r, (100,), torch.uint8, "mn-g")
-                                      for r in range(world)]), "all_gather_into_tensor")
-    full = [make(r, (world * 1000,), torch.float32, "mn-rs") for r in range(world)]
-    out = torch.empty(1000)
-    dist.reduce_scatter_tensor(out, full[rank].clone())
-    calls["reduce_scatter_tensor", "gloo"] += 1
-    close_to_sum(out, [x[rank * 1000:(rank + 1) * 1000] for x in full], 1.0,
-                 "reduce_scatter_tensor across nodes")
+    # Sizes from nothing to several of the engine's blocks, every root (each node, each lane).
+    for n in (0, 5000, 300_001):
+        for root in range(world):
+            t = make(rank, (n,), torch.bfloat16, "mn-b")
+            dist.broadcast(t, root)
+            calls["broadcast", "engine"] += 1
+            expect_equal(t, make(root, (n,), torch.bfloat16, "mn-b"),
+                         f"broadcast of {n} from {root} across nodes")
+        mine = make(rank, (n,), torch.float32, "mn-g")
+        everyone = [make(r, (n,), torch.float32, "mn-g") for r in range(world)]
+        gathered = torch.empty(world * n)
+        dist.all_gather_into_tensor(gathered, mine)
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(gathered, torch.cat(everyone), f"all_gather_into_tensor of {n}")
+        in_place = torch.zeros(world * n)
+        in_place[rank * n:(rank + 1) * n] = mine
+        dist.all_gather_into_tensor(in_place, in_place[rank * n:(rank + 1) * n])
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(in_place, torch.cat(everyone), f"in-place all_gather_into_tensor of {n}")
+        parts = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        calls["all_gather", "engine"] += 1
+        expect_equal(torch.cat(parts), torch.cat(everyone), f"all_gather of {n}")
+    for dtype, name, count in ((torch.float32, "SUM", 1000), (torch.float32, "AVG", 70_001),
+                               (torch.bfloat16, "SUM", 3000), (torch.float64, "AVG", 1000)):
+        what = f"reduce_scatter_tensor {name} {dtype} x{count}"
+        full = [make(r, (world * count,), dtype, "mn-rs") for r in range(world)]
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, full[rank].clone(), op=make_op(name))
+        calls["reduce_scatter_tensor", "engine"] += 1
+        mine = [x[rank * count:(rank + 1) * count] for x in full]
+        close_to_sum(out, mine, op_scale(name, world), what)
+        theirs = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(theirs, full[rank].clone(), op=make_op(name), group=gloo)
+        close_to_gloo(out, theirs, mine, op_scale(name, world), what)
+        listed = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter(listed, list(full[rank].clone().chunk(world)), op=make_op(name))
+        calls["reduce_scatter", "engine"] += 1
+        expect_equal(listed, out, f"reduce_scatter (list) against the tensor form: {what}")
+    ints = [make(r, (world * 300,), torch.int32, "mn-rsi") for r in range(world)]
+    out = torch.empty(300, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, ints[rank].clone(), op=R.MIN)
+    calls["reduce_scatter_tensor", "engine"] += 1
+    expect_equal(out, exact_reduction([x[rank * 300:(rank + 1) * 300] for x in ints], "MIN"),
+                 "reduce_scatter_tensor MIN of int32 across nodes")
     dist.barrier()
-    calls["barrier", "gloo"] += 1
+    calls["barrier", "engine"] += 1
+    # Bad calls raise on every rank of both nodes (none waits for the other node), and the group
+    # stays in step: sizes that differ between the nodes, roots that differ, a rank that rejects
+    # its input.
+    node = rank // 2
+    bad_calls = {
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(world * (10 + node)), torch.ones(10 + node)),
+        "broadcast": lambda: dist.broadcast(torch.ones(10), node),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            torch.empty(10), torch.ones(world * 10 + (rank == 3))),
+    }
+    for name, call in bad_calls.items():
+        try:
+            call()
+            fail(f"bad {name} across nodes: no error")
+        except (RuntimeError, ValueError) as error:
+            expected = ("nodes disagree" if name != "reduce_scatter_tensor" else
+                        ["failed on node 1", "failed on node 1", "rank 3 rejected", "got 41"][rank])
+            check(expected in str(error), f"bad {name} across nodes: {error}")
+        calls[name, "engine"] += 1
+        after = torch.empty(world * 3)
+        dist.all_gather_into_tensor(after, torch.full((3,), float(rank)))
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(after, torch.arange(world).float().repeat_interleave(3), f"after bad {name}")
+    # A group of one rank per node: its group ranks are not the world's.
+    pair = dist.new_group([1, 2], backend="ddpx")
+    if rank in (1, 2):
+        pair_routes = Routes(pair)
+        mine = make(rank, (3000,), torch.float32, "mn-pair")
+        both = torch.empty(6000)
+        dist.all_gather_into_tensor(both, mine, group=pair)
+        expect_equal(both, torch.cat([make(r, (3000,), torch.float32, "mn-pair") for r in (1, 2)]),
+                     "all_gather_into_tensor of the pair")
+        dist.broadcast(mine, 2, group=pair)
+        expect_equal(mine, make(2, (3000,), torch.float32, "mn-pair"), "broadcast of the pair")
+        served = pair_routes.served()
+        check(served == {"all_gather_into_tensor": (1, 0), "broadcast": (1, 0)},
+              f"the pair's routes {served}")
+    # Still gloo's across nodes: the all-to-all, gather and scatter.
+    out = torch.empty(world * 10)
+    dist.all_to_all_single(out, torch.full((world * 10,), float(rank)))
+    calls["all_to_all_single", "gloo"] += 1
+    expect_equal(out, torch.arange(world).float().repeat_interleave(10), "all_to_all_single")
     want = {}
     for (name, path), n in calls.items():
         engine, via_gloo = want.get(name, (0, 0))
@@ -1124,7 +1198,7 @@ MULTINODE_JOB = textwrap.dedent(f'''
 ''')
 
 
-def test_two_nodes_sum_floats_through_the_engine_and_the_rest_through_gloo(tmp_path):
+def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     segments = shm_segments()
     results = run_two_nodes(MULTINODE_JOB, tmp_path)
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]

@@ -1,0 +1,109 @@
+// The all-gather, broadcast and reduce-scatter of a group that spans nodes: each rank trades with
+// the ranks of its local index on the other nodes (its lane), and the node's shared memory does
+// the rest, so every node's link carries each byte once, every lane a share of it.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "cross_node.h"
+#include "errors.h"
+#include "shm_allreduce.h"
+
+namespace ddpx {
+
+void ShmAllreduce::across(const std::string& what, const std::function<void()>& transfer) {
+  try {
+    transfer();
+  } catch (const std::exception& e) {
+    channel_.fail("ddpx: " + channel_.rank_name(channel_.me()) + ": the transfer across nodes of " +
+                  what + " failed: " + error_text(e));
+  }
+}
+
+char* ShmAllreduce::lane_buffer(size_t bytes) {
+  if (lane_buffer_.size() < bytes) lane_buffer_.resize(bytes);
+  return lane_buffer_.data();
+}
+
+// A call checked within the node (a step with no data) and with the other nodes, before any data
+// crosses: the nodes' transfers go only where every rank agreed.
+CallMeta ShmAllreduce::checked_across_nodes(Collective op, int64_t numel, int32_t dtype,
+                                            int32_t wire, double scale, int root,
+                                            const std::string& what) {
+  begin_call();
+  const CallMeta mine = call_meta(op, numel, dtype, wire, scale, root);
+  exchange(mine, true, [](char*) {}, what);
+  finish_node_check(mine, "", what);
+  return mine;
+}
+
+// Each rank all-gathers its input over its lane, then the node all-gathers what the lanes brought:
+// rank r's part of node n lands at outs[group rank of (n, r)].
+void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, void* const* outs,
+                                          const std::string& what) {
+  const CallMeta mine =
+      checked_across_nodes(Collective::AllGather, int64_t(bytes), -1, -1, 1.0, 0, what);
+  if (bytes == 0) return;
+  const int nodes = cross_node_->nodes(), ranks = channel_.size();
+  char* lane = lane_buffer(bytes * size_t(nodes));
+  across(what, [&] { cross_node_->all_gather(in, bytes, lane); });
+  const Store store = bytes * node_ranks_.size() >= kStreamBytes ? Store::Streaming : Store::Cached;
+  allgather_in_node(
+      mine, false, lane, bytes * size_t(nodes),
+      [&](int r, size_t lo, const char* from, size_t count) {
+        while (count > 0) {
+          const size_t node = lo / bytes, at = lo % bytes, piece = std::min(count, bytes - at);
+          char* to = static_cast<char*>(outs[node_ranks_[node * size_t(ranks) + size_t(r)]]) + at;
+          if (to != from) kernels().copy(to, from, piece, store);
+          lo += piece;
+          from += piece;
+          count -= piece;
+        }
+      },
+      what);
+}
+
+// The root's lane broadcasts from the root's node, then every node broadcasts from that lane.
+void ShmAllreduce::broadcast_across_nodes(void* data, size_t bytes, int root,
+                                          const std::string& what) {
+  const CallMeta mine =
+      checked_across_nodes(Collective::Broadcast, int64_t(bytes), -1, -1, 1.0, root, what);
+  const int ranks = channel_.size();
+  const auto at = std::find(node_ranks_.begin(), node_ranks_.end(), root) - node_ranks_.begin();
+  const int root_node = int(at / ranks), root_local = int(at % ranks);
+  if (bytes == 0) return;
+  if (channel_.me() == root_local) {
+    across(what, [&] { cross_node_->broadcast(data, bytes, root_node); });
+  }
+  broadcast_in_node(mine, false, data, bytes, root_local, what);
+}
+
+// The node reduce-scatters what each lane's ranks receive: local rank r gets the node's sums of
+// the parts of rank r of every node, in the accumulation dtype. The lanes trade those sums, and
+// each rank adds its part over the nodes in node order, rounding once.
+void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out, DType dtype,
+                                               DType wire, int64_t count, double scale,
+                                               const std::string& what) {
+  begin_call();
+  const CallMeta mine =
+      call_meta(Collective::ReduceScatter, count, int32_t(dtype), int32_t(wire), scale, 0);
+  const int nodes = cross_node_->nodes(), ranks = channel_.size();
+  const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
+  const size_t part_bytes = size_t(count) * dtype_size(acc);
+  char* sums = lane_buffer(2 * part_bytes * size_t(nodes));
+  char* received = sums + part_bytes * size_t(nodes);
+  std::vector<const void*> node_ins(static_cast<size_t>(ranks));
+  for (int n = 0; n < nodes; ++n) {
+    for (int r = 0; r < ranks; ++r) node_ins[size_t(r)] = ins[node_ranks_[size_t(n * ranks + r)]];
+    reduce_scatter_in_node(mine, n == 0, node_ins.data(), dtype, sums + size_t(n) * part_bytes, acc,
+                           wire, count, scale, what);
+  }
+  finish_node_check(mine, "", what);
+  if (count == 0) return;
+  across(what, [&] { cross_node_->all_to_all(sums, part_bytes, received); });
+  const void* from_nodes[kMaxSources];
+  for (int n = 0; n < nodes; ++n) from_nodes[n] = received + size_t(n) * part_bytes;
+  kernels().reduce(out, dtype, from_nodes, nodes, acc, count, Store::Cached);
+}
+
+}  // namespace ddpx
