@@ -350,6 +350,55 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
                                             text=True).stdout.split() if ns.startswith("ddpx-")]
 
 
+def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
+    from ddpx.bench.collectives import bytes_across
+
+    size = 1 << 20
+
+    def row(collective, nodes=2, world_size=4):
+        return {"collective": collective, "size_bytes": size, "nodes": nodes,
+                "world_size": world_size}
+
+    assert bytes_across(row("all_reduce")) == size  # 2(N-1)/N of the input
+    assert bytes_across(row("all_reduce", nodes=3, world_size=6)) == 4 * size // 3
+    assert bytes_across(row("all_gather_into_tensor")) == 2 * size  # the other node's 2 inputs
+    assert bytes_across(row("all_gather", nodes=3, world_size=6)) == 4 * size
+    assert bytes_across(row("reduce_scatter_tensor")) == size // 2  # the other node's 2 parts
+    assert bytes_across(row("broadcast")) == size
+    assert bytes_across(row("all_to_all")) is None
+    assert bytes_across(row("all_reduce", nodes=1, world_size=2)) is None
+    assert bytes_across({**row("barrier"), "size_bytes": None}) is None
+
+
+@pytest.mark.slow  # 60 s
+@pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
+                    reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
+def test_collectives_on_a_shaped_link_run_on_the_engine_and_report_their_bound(tmp_path):
+    from ddpx.bench.collectives import bytes_across
+
+    collectives = ["all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier"]
+    options = "--sizes 256K --iters 2 --min_time 0.05 --warmup 1 --link 100mbit".split()
+    document, stdout = run_bench(tmp_path, "collectives", *options, "--collectives",
+                                 ",".join(collectives), world_sizes="4")
+
+    rows = {(row["collective"], row["engine"]): row for row in document["rows"]}
+    assert sorted(rows) == sorted((c, e) for c in collectives for e in ("ddpx", "gloo"))
+    for (collective, engine), row in rows.items():
+        assert row["nodes"] == 2 and row["link"] == "100mbit"
+        if collective == "barrier":
+            assert "bound_ms" not in row
+        else:
+            assert row["bound_ms"] == pytest.approx(bytes_across(row) * 8 / 100e6 * 1e3)
+            assert row["x_bound"] == pytest.approx(row["median_ms"] / row["bound_ms"])
+            assert 0 <= row["max_abs_error"] <= row["tolerance"]
+        if engine == "ddpx":
+            # Across nodes too, every call on the engine and none through gloo.
+            assert row["served_by"]["engine"] > 0 and row["served_by"]["gloo"] == 0, row["routes"]
+    assert "bound ms" in stdout and "ddpx/bound" in stdout
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout.split() if ns.startswith("ddpx-")]
+
+
 @pytest.mark.parametrize("options, message", [
     ("--world_sizes 4 --nodes 3", "ddpx-bench: --nodes 3 does not divide world size 4 evenly"),
     ("--link 1gbit --load 1", "ddpx-bench: --load with --link"),

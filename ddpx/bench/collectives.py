@@ -58,7 +58,7 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     timed_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, size_list, timing_options
+from ddpx.bench.mode import Mode, choice_list, node_options, size_list, timing_options
 from ddpx.bench.report import PER_CALL, format_ms, format_ratio, format_served, pyplot
 from ddpx.engine import engine_for
 
@@ -329,33 +329,69 @@ def _check_barrier(name: str, call, nodes: int) -> dict:
     return {**unchecked, "check": "barrier"}
 
 
+LINK_LEGEND = [
+    "link: the rate between the nodes (network namespaces); bound: the bytes a node's link must "
+    "carry (bytes_across) at that rate; gloo/bound, ddpx/bound: median / bound"
+]
+
+
+def bytes_across(row: dict) -> int | None:
+    """The bytes a node's link must carry in one direction for the row's call between its N
+    nodes (L ranks each), at the least: an all-reduce 2(N-1)/N of the input; an all-gather the
+    other nodes' (N-1)L inputs; a reduce-scatter the node's sums of the parts of the other nodes'
+    ranks, (N-1)/N of the input; a broadcast the input once. None where no bytes bound it."""
+    size, nodes = row["size_bytes"], row["nodes"]
+    if size is None or nodes < 2:
+        return None
+    ranks = row["world_size"] // nodes
+    return {
+        "all_reduce": 2 * (nodes - 1) * size // nodes,
+        "all_gather_into_tensor": (nodes - 1) * ranks * size,
+        "all_gather": (nodes - 1) * ranks * size,
+        "reduce_scatter_tensor": (nodes - 1) * size // nodes,
+        "reduce_scatter": (nodes - 1) * size // nodes,
+        "broadcast": size,
+    }.get(row["collective"])
+
+
 def _collectives_table(rows: list[dict]) -> list[str]:
     """One line per cell (world size, collective, size): each engine's median side by side."""
     fused = "ddpx.all_reduce"
     cells = {}
     for row in rows:
-        cells.setdefault((row["world_size"], row["collective"], row["size_bytes"]), {})[
-            row["engine"]
-        ] = row
+        key = (row.get("link"), row["world_size"], row["collective"], row["size_bytes"])
+        cells.setdefault(key, {})[row["engine"]] = row
+    linked = any(row.get("link") for row in rows)
     header = (
-        f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
-        f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  ddpx served by"
+        (f"{'link':>7}  " if linked else "")
+        + f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
+        f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  "
+        + (f"{'bound ms':>9}  {'gloo/bound':>10}  {'ddpx/bound':>10}  " if linked else "")
+        + "ddpx served by"
     )
     lines = [header, "-" * len(header)]
-    for (world_size, collective, size), engines in cells.items():
+    for (link, world_size, collective, size), engines in cells.items():
         gloo, ddpx, by_fused = (engines.get(name) for name in ("gloo", "ddpx", fused))
+        bound = (
+            f"{format_ms(gloo.get('bound_ms')):>9}  {format_ratio(gloo.get('x_bound')):>10}  "
+            f"{format_ratio(ddpx and ddpx.get('x_bound')):>10}  "
+        )
         lines.append(
-            f"{world_size:>5}  {collective:<22}  "
+            (f"{link:>7}  " if linked else "")
+            + f"{world_size:>5}  {collective:<22}  "
             f"{'-' if size is None else format_size(size):>6}  "
             f"{format_ms(gloo['median_ms']):>9}  {format_ms(ddpx and ddpx['median_ms']):>9}  "
             f"{format_ms(by_fused and by_fused['median_ms']):>18}  "
             f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
-            f"{format_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  {format_served(ddpx)}"
+            f"{format_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  "
+            + (bound if linked else "")
+            + format_served(ddpx)
         )
     lines += [
         "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
         "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
         "from rank 0; barrier: no data",
+        *(LINK_LEGEND if linked else []),
         "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
         "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
         "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, timed) "
@@ -434,9 +470,21 @@ class Collectives(Mode):
             f"{','.join(DEFAULT_COLLECTIVES)})",
         )
         timing_options(parser)
+        node_options(parser)
 
     def run(self, args):
         return bench_collectives(args)
+
+    def add_link_figures(self, rows):
+        """Each row's bound on its shaped link (bound_ms; none for the barrier and all-to-all),
+        and its time against it."""
+        from ddpx.bench.testbed import bits_per_second  # only where --link ran
+
+        for row in rows:
+            sent = bytes_across(row) if row["link"] != "none" else None
+            if sent is not None:
+                row["bound_ms"] = sent * 8 / bits_per_second(row["link"]) * 1e3
+                row["x_bound"] = row["median_ms"] / row["bound_ms"]
 
     def table(self, rows):
         return _collectives_table(rows)

@@ -63,7 +63,7 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     steps_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, count, positive
+from ddpx.bench.mode import Mode, choice_list, count, node_options, positive
 from ddpx.bench.report import PER_STEP, format_ms, format_ratio, format_served, pyplot, step_bars
 
 PRECISIONS = ("fp32", "bf16")
@@ -378,6 +378,7 @@ class Fsdp(Mode):
             help="untimed steps per model and precision, after which the models are compared",
         )
         parser.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+        node_options(parser)
 
     def run(self, args):
         return bench_fsdp(args)
