@@ -2,10 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -120,25 +122,44 @@ class ProcessGroupCrossNode final : public CrossNode {
     pending_.push_back(std::move(chunk));
   }
 
+  // These trade through buffers of their own (a transfer abandoned by a failure keeps them),
+  // piece by piece (see kMostPieceBytes), each piece's parts node by node.
   void all_gather(const void* in, size_t bytes, void* out) override {
-    at::Tensor from = bytes_at(const_cast<void*>(in), bytes), to = bytes_at(out, bytes * nodes_);
-    link_->watch->await(*ddpx::all_gather(*groups_[0], to, from, timeout_));
+    const at::Tensor mine = bytes_like(bytes), all = bytes_like(bytes * size_t(nodes_));
+    std::memcpy(mine.data_ptr(), in, bytes);
+    in_pieces(bytes, [&](size_t lo, size_t n) {
+      at::Tensor from = mine.narrow(0, int64_t(lo), int64_t(n));
+      at::Tensor to = all.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
+      return ddpx::all_gather(*groups_[0], to, from, timeout_);
+    });
+    by_node(all, bytes, out);
     count(int64_t(bytes) * (nodes_ - 1));
   }
 
   void broadcast(void* data, size_t bytes, int root) override {
-    std::vector<at::Tensor> tensors{bytes_at(data, bytes)};
-    c10d::BroadcastOptions opts;
-    opts.rootRank = root;
-    opts.timeout = timeout_;
-    link_->watch->await(*groups_[0]->broadcast(tensors, opts));
+    const at::Tensor all = bytes_like(bytes);
+    if (root == node()) std::memcpy(all.data_ptr(), data, bytes);
+    in_pieces(bytes, [&](size_t lo, size_t n) {
+      std::vector<at::Tensor> piece{all.narrow(0, int64_t(lo), int64_t(n))};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = root;
+      opts.timeout = timeout_;
+      return groups_[0]->broadcast(piece, opts);
+    });
+    if (root != node()) std::memcpy(data, all.data_ptr(), bytes);
     if (root == node()) count(int64_t(bytes) * (nodes_ - 1));
   }
 
   void all_to_all(const void* in, size_t bytes, void* out) override {
-    at::Tensor from = bytes_at(const_cast<void*>(in), bytes * nodes_);
-    at::Tensor to = bytes_at(out, bytes * nodes_);
-    link_->watch->await(*ddpx::all_to_all(*groups_[0], to, from, timeout_));
+    const at::Tensor dealt = bytes_like(bytes * size_t(nodes_));
+    const at::Tensor received = bytes_like(bytes * size_t(nodes_));
+    by_piece(in, bytes, dealt);
+    in_pieces(bytes, [&](size_t lo, size_t n) {
+      at::Tensor from = dealt.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
+      at::Tensor to = received.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
+      return ddpx::all_to_all(*groups_[0], to, from, timeout_);
+    });
+    by_node(received, bytes, out);
     count(int64_t(bytes) * (nodes_ - 1));
   }
 
@@ -214,9 +235,56 @@ class ProcessGroupCrossNode final : public CrossNode {
     }
   }
 
-  static at::Tensor bytes_at(void* data, size_t bytes) {
-    return at::from_blob(data, {int64_t(bytes)}, at::TensorOptions().dtype(at::kByte));
+  // One gloo transfer of a large message crosses a shaped link at about half its rate, several
+  // under way at once keep it full: 6 MiB between 2 nodes at 1 Gbit/s took 83 ms as one
+  // all-gather and 55 as four, against 50 for the bytes (92 and 63 as all-to-alls in 1 and 8).
+  static constexpr size_t kLeastPieceBytes = size_t(64) << 10;
+  static constexpr size_t kMostPieceBytes = size_t(1) << 20;
+  static constexpr size_t kPiecesAtLeast = 4;
+
+  static size_t piece_bytes(size_t bytes) {
+    return std::clamp(bytes / kPiecesAtLeast, kLeastPieceBytes, kMostPieceBytes);
   }
+
+  // Starts a transfer per piece [lo, lo + n) of `bytes`, all at once, then awaits them in order.
+  void in_pieces(size_t bytes,
+                 const std::function<c10::intrusive_ptr<c10d::Work>(size_t, size_t)>& start) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const size_t piece = piece_bytes(bytes);
+    for (size_t lo = 0; lo < bytes; lo += piece)
+      works.push_back(start(lo, std::min(piece, bytes - lo)));
+    for (const auto& work : works) link_->watch->await(*work);
+  }
+
+  // Node-major (node n's `bytes` at n x bytes) to the pieces' layout and back: piece [lo, lo + n)
+  // of every node's bytes lies at nodes x lo, node by node.
+  void by_piece(const void* from, size_t bytes, const at::Tensor& to) const {
+    const char* src = static_cast<const char*>(from);
+    char* dst = static_cast<char*>(to.data_ptr());
+    const size_t piece = piece_bytes(bytes);
+    for (size_t lo = 0; lo < bytes; lo += piece) {
+      const size_t n = std::min(piece, bytes - lo);
+      for (int node = 0; node < nodes_; ++node) {
+        std::memcpy(dst + lo * size_t(nodes_) + size_t(node) * n, src + size_t(node) * bytes + lo,
+                    n);
+      }
+    }
+  }
+
+  void by_node(const at::Tensor& from, size_t bytes, void* to) const {
+    const char* src = static_cast<const char*>(from.data_ptr());
+    char* dst = static_cast<char*>(to);
+    const size_t piece = piece_bytes(bytes);
+    for (size_t lo = 0; lo < bytes; lo += piece) {
+      const size_t n = std::min(piece, bytes - lo);
+      for (int node = 0; node < nodes_; ++node) {
+        std::memcpy(dst + size_t(node) * bytes + lo, src + lo * size_t(nodes_) + size_t(node) * n,
+                    n);
+      }
+    }
+  }
+
+  static at::Tensor bytes_like(size_t bytes) { return at::empty({int64_t(bytes)}, at::kByte); }
 
   void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }
 
