@@ -7,7 +7,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <functional>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -122,45 +121,45 @@ class ProcessGroupCrossNode final : public CrossNode {
     pending_.push_back(std::move(chunk));
   }
 
-  // These trade through buffers of their own (a transfer abandoned by a failure keeps them),
-  // piece by piece (see kMostPieceBytes), each piece's parts node by node.
-  void all_gather(const void* in, size_t bytes, void* out) override {
-    const at::Tensor mine = bytes_like(bytes), all = bytes_like(bytes * size_t(nodes_));
+  // Trades go through buffers of their own, which a trade that a failure abandons keeps.
+  void start_all_gather(const void* in, size_t bytes, void* out) override {
+    at::Tensor mine = bytes_like(bytes), all = bytes_like(bytes * size_t(nodes_));
     std::memcpy(mine.data_ptr(), in, bytes);
-    in_pieces(bytes, [&](size_t lo, size_t n) {
-      at::Tensor from = mine.narrow(0, int64_t(lo), int64_t(n));
-      at::Tensor to = all.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
-      return ddpx::all_gather(*groups_[0], to, from, timeout_);
-    });
-    by_node(all, bytes, out);
+    trades_.push_back({ddpx::all_gather(*groups_[0], all, mine, timeout_), all, out});
     count(int64_t(bytes) * (nodes_ - 1));
+  }
+
+  void start_all_to_all(const void* in, size_t bytes, void* out) override {
+    at::Tensor dealt = bytes_like(bytes * size_t(nodes_));
+    at::Tensor received = bytes_like(bytes * size_t(nodes_));
+    std::memcpy(dealt.data_ptr(), in, dealt.nbytes());
+    trades_.push_back({ddpx::all_to_all(*groups_[0], received, dealt, timeout_), received, out});
+    count(int64_t(bytes) * (nodes_ - 1));
+  }
+
+  void finish_trade() override {
+    const Trade trade = std::move(trades_.front());
+    trades_.pop_front();
+    link_->watch->await(*trade.work);
+    std::memcpy(trade.out, trade.received.data_ptr(), trade.received.nbytes());
   }
 
   void broadcast(void* data, size_t bytes, int root) override {
     const at::Tensor all = bytes_like(bytes);
     if (root == node()) std::memcpy(all.data_ptr(), data, bytes);
-    in_pieces(bytes, [&](size_t lo, size_t n) {
-      std::vector<at::Tensor> piece{all.narrow(0, int64_t(lo), int64_t(n))};
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const size_t piece = cross_piece_bytes(bytes);
+    for (size_t lo = 0; lo < bytes; lo += piece) {
+      std::vector<at::Tensor> part{
+          all.narrow(0, int64_t(lo), int64_t(std::min(piece, bytes - lo)))};
       c10d::BroadcastOptions opts;
       opts.rootRank = root;
       opts.timeout = timeout_;
-      return groups_[0]->broadcast(piece, opts);
-    });
+      works.push_back(groups_[0]->broadcast(part, opts));
+    }
+    for (const auto& work : works) link_->watch->await(*work);
     if (root != node()) std::memcpy(data, all.data_ptr(), bytes);
     if (root == node()) count(int64_t(bytes) * (nodes_ - 1));
-  }
-
-  void all_to_all(const void* in, size_t bytes, void* out) override {
-    const at::Tensor dealt = bytes_like(bytes * size_t(nodes_));
-    const at::Tensor received = bytes_like(bytes * size_t(nodes_));
-    by_piece(in, bytes, dealt);
-    in_pieces(bytes, [&](size_t lo, size_t n) {
-      at::Tensor from = dealt.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
-      at::Tensor to = received.narrow(0, int64_t(lo) * nodes_, int64_t(n) * nodes_);
-      return ddpx::all_to_all(*groups_[0], to, from, timeout_);
-    });
-    by_node(received, bytes, out);
-    count(int64_t(bytes) * (nodes_ - 1));
   }
 
   void finish_reduce() override {
@@ -189,6 +188,11 @@ class ProcessGroupCrossNode final : public CrossNode {
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
     std::promise<void> gathering_started;  // set by the link thread once work gathers
     std::future<void> gathering;
+  };
+  struct Trade {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor received;
+    void* out;
   };
   struct Link {
     std::thread thread;
@@ -235,55 +239,6 @@ class ProcessGroupCrossNode final : public CrossNode {
     }
   }
 
-  // One gloo transfer of a large message crosses a shaped link at about half its rate, several
-  // under way at once keep it full: 6 MiB between 2 nodes at 1 Gbit/s took 83 ms as one
-  // all-gather and 55 as four, against 50 for the bytes (92 and 63 as all-to-alls in 1 and 8).
-  static constexpr size_t kLeastPieceBytes = size_t(64) << 10;
-  static constexpr size_t kMostPieceBytes = size_t(1) << 20;
-  static constexpr size_t kPiecesAtLeast = 4;
-
-  static size_t piece_bytes(size_t bytes) {
-    return std::clamp(bytes / kPiecesAtLeast, kLeastPieceBytes, kMostPieceBytes);
-  }
-
-  // Starts a transfer per piece [lo, lo + n) of `bytes`, all at once, then awaits them in order.
-  void in_pieces(size_t bytes,
-                 const std::function<c10::intrusive_ptr<c10d::Work>(size_t, size_t)>& start) {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    const size_t piece = piece_bytes(bytes);
-    for (size_t lo = 0; lo < bytes; lo += piece)
-      works.push_back(start(lo, std::min(piece, bytes - lo)));
-    for (const auto& work : works) link_->watch->await(*work);
-  }
-
-  // Node-major (node n's `bytes` at n x bytes) to the pieces' layout and back: piece [lo, lo + n)
-  // of every node's bytes lies at nodes x lo, node by node.
-  void by_piece(const void* from, size_t bytes, const at::Tensor& to) const {
-    const char* src = static_cast<const char*>(from);
-    char* dst = static_cast<char*>(to.data_ptr());
-    const size_t piece = piece_bytes(bytes);
-    for (size_t lo = 0; lo < bytes; lo += piece) {
-      const size_t n = std::min(piece, bytes - lo);
-      for (int node = 0; node < nodes_; ++node) {
-        std::memcpy(dst + lo * size_t(nodes_) + size_t(node) * n, src + size_t(node) * bytes + lo,
-                    n);
-      }
-    }
-  }
-
-  void by_node(const at::Tensor& from, size_t bytes, void* to) const {
-    const char* src = static_cast<const char*>(from.data_ptr());
-    char* dst = static_cast<char*>(to);
-    const size_t piece = piece_bytes(bytes);
-    for (size_t lo = 0; lo < bytes; lo += piece) {
-      const size_t n = std::min(piece, bytes - lo);
-      for (int node = 0; node < nodes_; ++node) {
-        std::memcpy(dst + size_t(node) * bytes + lo, src + lo * size_t(nodes_) + size_t(node) * n,
-                    n);
-      }
-    }
-  }
-
   static at::Tensor bytes_like(size_t bytes) { return at::empty({int64_t(bytes)}, at::kByte); }
 
   void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }
@@ -296,12 +251,19 @@ class ProcessGroupCrossNode final : public CrossNode {
   std::shared_ptr<Link> link_;
   size_t next_lane_ = 0;
   std::deque<std::shared_ptr<Chunk>> pending_;  // started chunks, oldest first
+  std::deque<Trade> trades_;                    // started trades, oldest first
   at::Tensor words_in_, words_out_;
   c10::intrusive_ptr<c10d::Work> gathering_;
   std::atomic<uint64_t> bytes_sent_{0};
 };
 
 }  // namespace
+
+// Between 2 nodes at 1 Gbit/s, 6 MiB each way took 83 ms as one all-gather and 55 as four under
+// way at once, 92 as one all-to-all and 63 as eight, against 50 ms for the bytes.
+size_t cross_piece_bytes(size_t bytes) {
+  return std::clamp(bytes / 4, size_t(64) << 10, size_t(1) << 20);
+}
 
 std::shared_ptr<CrossNode> make_cross_node(
     std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, std::chrono::milliseconds timeout,

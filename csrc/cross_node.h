@@ -29,13 +29,15 @@ class CrossNode {
   // oldest transfer still running and throws its failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
   virtual void finish_reduce() = 0;
-  // Blocking byte moves between the nodes, for the collectives other than the all-reduce; each
-  // throws on failure. all_gather: every node's `bytes` of in land in out (nodes() x bytes, node
-  // order). broadcast: node root's data lands in every node's. all_to_all: part n of in (nodes()
-  // parts of `bytes`) goes to node n, and part n of out comes from it.
-  virtual void all_gather(const void* in, size_t bytes, void* out) = 0;
+  // Byte moves between the nodes, for the collectives other than the all-reduce; each throws on
+  // failure. Trades run while the caller works: start_all_gather puts every node's `bytes` of in
+  // into out (nodes() x bytes, node order); start_all_to_all sends part n of in (nodes() parts
+  // of `bytes`) to node n, and part n of out comes from it; finish_trade waits for the oldest
+  // trade still running and fills its out. broadcast: node root's data lands in every node's.
+  virtual void start_all_gather(const void* in, size_t bytes, void* out) = 0;
+  virtual void start_all_to_all(const void* in, size_t bytes, void* out) = 0;
+  virtual void finish_trade() = 0;
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
-  virtual void all_to_all(const void* in, size_t bytes, void* out) = 0;
   // Tells every other rank of the job that this one gave up (why), so that their waits across
   // nodes end now instead of at their timeout. Does not throw.
   virtual void abort(const std::string& why) noexcept = 0;
@@ -44,6 +46,10 @@ class CrossNode {
   // all-to-all, and a broadcast's data once per other node from its root.
   virtual uint64_t bytes_sent() const = 0;
 };
+
+// How much of a message crosses per trade: one large gloo transfer fills only about half a shaped
+// link, several under way at once keep it full. A quarter of the message, 64 KiB to 1 MiB.
+size_t cross_piece_bytes(size_t bytes);
 
 // The link over process groups: `groups` holds a dealing and a gathering group per lane, in turn,
 // each of the ranks of this local index on every node in node order. Every transfer fails after

@@ -38,29 +38,41 @@ CallMeta ShmAllreduce::checked_across_nodes(Collective op, int64_t numel, int32_
 }
 
 // Each rank all-gathers its input over its lane, then the node all-gathers what the lanes brought:
-// rank r's part of node n lands at outs[group rank of (n, r)].
+// rank r's part of node n lands at outs[group rank of (n, r)]. In pieces (cross_piece_bytes),
+// all started at once: the node hands out each piece as it lands, while the next cross.
 void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, void* const* outs,
                                           const std::string& what) {
   const CallMeta mine =
       checked_across_nodes(Collective::AllGather, int64_t(bytes), -1, -1, 1.0, 0, what);
   if (bytes == 0) return;
-  const int nodes = cross_node_->nodes(), ranks = channel_.size();
-  char* lane = lane_buffer(bytes * size_t(nodes));
-  across(what, [&] { cross_node_->all_gather(in, bytes, lane); });
+  const size_t nodes = size_t(cross_node_->nodes()), ranks = size_t(channel_.size());
+  const size_t piece = cross_piece_bytes(bytes);
+  // Piece [lo, lo + n) of every node's input lies at nodes x lo, node by node.
+  char* lane = lane_buffer(bytes * nodes);
+  const char* src = static_cast<const char*>(in);
+  for (size_t lo = 0; lo < bytes; lo += piece) {
+    const size_t n = std::min(piece, bytes - lo);
+    across(what, [&] { cross_node_->start_all_gather(src + lo, n, lane + lo * nodes); });
+  }
   const Store store = bytes * node_ranks_.size() >= kStreamBytes ? Store::Streaming : Store::Cached;
-  allgather_in_node(
-      mine, false, lane, bytes * size_t(nodes),
-      [&](int r, size_t lo, const char* from, size_t count) {
-        while (count > 0) {
-          const size_t node = lo / bytes, at = lo % bytes, piece = std::min(count, bytes - at);
-          char* to = static_cast<char*>(outs[node_ranks_[node * size_t(ranks) + size_t(r)]]) + at;
-          if (to != from) kernels().copy(to, from, piece, store);
-          lo += piece;
-          from += piece;
-          count -= piece;
-        }
-      },
-      what);
+  for (size_t lo = 0; lo < bytes; lo += piece) {
+    const size_t n = std::min(piece, bytes - lo);
+    across(what, [&] { cross_node_->finish_trade(); });
+    allgather_in_node(
+        mine, false, lane + lo * nodes, n * nodes,
+        [&](int r, size_t at, const char* from, size_t count) {
+          while (count > 0) {
+            const size_t node = at / n, offset = at % n, part = std::min(count, n - offset);
+            char* to =
+                static_cast<char*>(outs[node_ranks_[node * ranks + size_t(r)]]) + lo + offset;
+            if (to != from) kernels().copy(to, from, part, store);
+            at += part;
+            from += part;
+            count -= part;
+          }
+        },
+        what);
+  }
 }
 
 // The root's lane broadcasts from the root's node, then every node broadcasts from that lane.
@@ -80,7 +92,8 @@ void ShmAllreduce::broadcast_across_nodes(void* data, size_t bytes, int root,
 
 // The node reduce-scatters what each lane's ranks receive: local rank r gets the node's sums of
 // the parts of rank r of every node, in the accumulation dtype. The lanes trade those sums, and
-// each rank adds its part over the nodes in node order, rounding once.
+// each rank adds its part over the nodes in node order, rounding once. In pieces
+// (cross_piece_bytes), each trade started as soon as the node has summed it.
 void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out, DType dtype,
                                                DType wire, int64_t count, double scale,
                                                const std::string& what) {
@@ -89,21 +102,44 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
       call_meta(Collective::ReduceScatter, count, int32_t(dtype), int32_t(wire), scale, 0);
   const int nodes = cross_node_->nodes(), ranks = channel_.size();
   const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
-  const size_t part_bytes = size_t(count) * dtype_size(acc);
-  char* sums = lane_buffer(2 * part_bytes * size_t(nodes));
-  char* received = sums + part_bytes * size_t(nodes);
+  const size_t size = dtype_size(dtype), acc_size = dtype_size(acc);
+  const int64_t piece =
+      std::max<int64_t>(1, int64_t(cross_piece_bytes(size_t(count) * acc_size) / acc_size));
+  // Piece [lo, lo + n) of every node's sums lies at nodes x lo, node by node; so do the sums
+  // the other nodes send back.
+  char* sums = lane_buffer(2 * size_t(count) * acc_size * size_t(nodes));
+  char* received = sums + size_t(count) * acc_size * size_t(nodes);
   std::vector<const void*> node_ins(static_cast<size_t>(ranks));
-  for (int n = 0; n < nodes; ++n) {
-    for (int r = 0; r < ranks; ++r) node_ins[size_t(r)] = ins[node_ranks_[size_t(n * ranks + r)]];
-    reduce_scatter_in_node(mine, n == 0, node_ins.data(), dtype, sums + size_t(n) * part_bytes, acc,
-                           wire, count, scale, what);
+  for (int64_t lo = 0; lo == 0 || lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    char* piece_sums = sums + size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      for (int r = 0; r < ranks; ++r) {
+        node_ins[size_t(r)] = static_cast<const char*>(ins[node_ranks_[size_t(node * ranks + r)]]) +
+                              size_t(lo) * size;
+      }
+      reduce_scatter_in_node(mine, lo == 0 && node == 0, node_ins.data(), dtype,
+                             piece_sums + size_t(node) * size_t(n) * acc_size, acc, wire, n, scale,
+                             what);
+    }
+    if (lo == 0) finish_node_check(mine, "", what);
+    if (n == 0) return;
+    across(what, [&] {
+      cross_node_->start_all_to_all(piece_sums, size_t(n) * acc_size,
+                                    received + size_t(lo) * acc_size * size_t(nodes));
+    });
   }
-  finish_node_check(mine, "", what);
-  if (count == 0) return;
-  across(what, [&] { cross_node_->all_to_all(sums, part_bytes, received); });
   const void* from_nodes[kMaxSources];
-  for (int n = 0; n < nodes; ++n) from_nodes[n] = received + size_t(n) * part_bytes;
-  kernels().reduce(out, dtype, from_nodes, nodes, acc, count, Store::Cached);
+  for (int64_t lo = 0; lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    across(what, [&] { cross_node_->finish_trade(); });
+    const char* piece_received = received + size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      from_nodes[node] = piece_received + size_t(node) * size_t(n) * acc_size;
+    }
+    kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
+                     Store::Cached);
+  }
 }
 
 }  // namespace ddpx
