@@ -92,13 +92,20 @@ FAULT = PRELUDE + textwrap.dedent('''
     # The world's engine, which ddpx.all_reduce uses too, with the test's timeout.
     timeout_s = os.environ.get(f"NODE{node}_TIMEOUT_S", os.environ["TIMEOUT_S"])
     state = ddpx.FusedHookState(timeout=timedelta(seconds=float(timeout_s)))
+    # cut-gather: the backend's all-gather across nodes instead, on a group with that timeout.
+    gathers = (dist.new_group(backend="ddpx", timeout=timedelta(seconds=float(timeout_s)))
+               if fault == "cut-gather" else None)
+    gathered = torch.empty(world * big.numel()) if gathers is not None else None
     ddpx.all_reduce(big[:1000])  # every rank is in step from here
     report("ready", path=state.describe())
     try:
-        if fault == "cut":
+        if fault in ("cut", "cut-gather"):
             report("loop")
             while True:
-                ddpx.all_reduce(big)
+                if gathers is None:
+                    ddpx.all_reduce(big)
+                else:
+                    dist.all_gather_into_tensor(gathered, big, group=gathers)
         if fault == "stop" and node == 1 and local == 1:
             report("stopped")
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -247,7 +254,7 @@ def run_fault(fault: str, rate: str, tmp_path, env: dict | None = None):
             fail(f"only ranks {sorted(ready)} started")
         for r, report in ready.items():
             assert "hierarchical across 2 nodes" in report["path"], (r, report)
-        if fault == "cut":
+        if fault.startswith("cut"):
             if len(wait_for(tmp_path, "loop", 4, time.time() + 30, jobs)) < 4:
                 fail("the ranks did not all start their loop")
             time.sleep(1.0)  # well inside a 25 MiB call: each takes seconds at 100mbit
@@ -295,6 +302,14 @@ def assert_exited_with_errors(statuses: list, logs: list[str]) -> None:
 def test_a_link_cut_mid_call_raises_on_every_rank_of_both_nodes(tmp_path):
     at, errors, statuses, logs = run_fault("cut", "100mbit", tmp_path)
     assert_ddpx_errors(at, errors, range(4), logs)
+    assert_exited_with_errors(statuses, logs)
+
+
+@pytest.mark.slow  # 25 s; the all-reduce's cut above covers the same waits by default
+def test_a_link_cut_mid_all_gather_of_the_backend_raises_on_every_rank(tmp_path):
+    at, errors, statuses, logs = run_fault("cut-gather", "100mbit", tmp_path)
+    assert_ddpx_errors(at, errors, range(4), logs)
+    assert all("all_gather_into_tensor" in errors[r]["error"] for r in range(4)), errors
     assert_exited_with_errors(statuses, logs)
 
 
