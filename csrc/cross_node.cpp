@@ -138,7 +138,7 @@ class ProcessGroupCrossNode final : public CrossNode {
   }
 
   void finish_trade() override {
-    const Trade trade = std::move(trades_.front());
+    Trade trade = std::move(trades_.front());
     trades_.pop_front();
     link_->watch->await(*trade.work);
     std::memcpy(trade.out, trade.received.data_ptr(), trade.received.nbytes());

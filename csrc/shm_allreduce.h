@@ -185,8 +185,9 @@ class ShmAllreduce {
   void broadcast_across_nodes(void* data, size_t bytes, int root, const std::string& what);
   void reduce_scatter_across_nodes(const void* const* ins, void* out, DType dtype, DType wire,
                                    int64_t count, double scale, const std::string& what);
-  // Runs a transfer between the nodes; its failure fails the engine, on every rank.
-  void across(const std::string& what, const std::function<void()>& transfer);
+  // Runs a transfer between the nodes; its failure fails the engine, on every rank, as "the
+  // <kind> across nodes of <what> failed".
+  void across(const char* kind, const std::string& what, const std::function<void()>& transfer);
   char* lane_buffer(size_t bytes);
   CallMeta local_call(Collective op, int64_t numel, int32_t dtype, double scale, int root,
                       const std::string& what);

@@ -39,6 +39,16 @@ int ShmAllreduce::group_rank() const {
   return node_ranks_[size_t(cross_node_->node() * channel_.size() + channel_.me())];
 }
 
+void ShmAllreduce::across(const char* kind, const std::string& what,
+                          const std::function<void()>& transfer) {
+  try {
+    transfer();
+  } catch (const std::exception& e) {
+    channel_.fail("ddpx: " + channel_.rank_name(channel_.me()) + ": the " + kind +
+                  " across nodes of " + what + " failed: " + error_text(e));
+  }
+}
+
 // A call as the nodes trade it: the verdict (0: the node's ranks agree), then the CallMeta.
 std::vector<int64_t> ShmAllreduce::node_words(const CallMeta& m, bool ok) {
   int64_t scale_bits;
@@ -126,16 +136,9 @@ void ShmAllreduce::allreduce_across_nodes(AllreduceCall& call) {
   auto chunk_elements = [&](int64_t c) {
     return slice_offset(chunk_start(c + 1)) - slice_offset(chunk_start(c));
   };
-  auto across = [&](auto&& transfer) {
-    try {
-      transfer();
-    } catch (const std::exception& e) {
-      channel_.fail("ddpx: " + channel_.rank_name(x.me) + ": the all-reduce across nodes of " +
-                    call.what + " failed: " + error_text(e));
-    }
-  };
   auto hand_out_chunk = [&](int64_t c) {
-    if (chunk_elements(c) > 0) across([&] { cross_node_->finish_reduce(); });
+    if (chunk_elements(c) > 0)
+      across("all-reduce", call.what, [&] { cross_node_->finish_reduce(); });
     for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
       const uint64_t step = ++step_;
       const auto [lo, hi] = x.slice(x.elements(b));
@@ -156,7 +159,8 @@ void ShmAllreduce::allreduce_across_nodes(AllreduceCall& call) {
     if (c == 0) finish_node_check(call.meta, "", call.what);
     if (chunk_elements(c) > 0) {
       const std::shared_ptr<void> chunk(node_sums_, sums_at(first));
-      across([&] { cross_node_->start_reduce(chunk, x.acc, x.wire, chunk_elements(c)); });
+      across("all-reduce", call.what,
+             [&] { cross_node_->start_reduce(chunk, x.acc, x.wire, chunk_elements(c)); });
     }
     if (c + 1 - handed_out >= kCrossChunksInFlight) hand_out_chunk(handed_out++);
   }

@@ -6,19 +6,9 @@
 #include <algorithm>
 
 #include "cross_node.h"
-#include "errors.h"
 #include "shm_allreduce.h"
 
 namespace ddpx {
-
-void ShmAllreduce::across(const std::string& what, const std::function<void()>& transfer) {
-  try {
-    transfer();
-  } catch (const std::exception& e) {
-    channel_.fail("ddpx: " + channel_.rank_name(channel_.me()) + ": the transfer across nodes of " +
-                  what + " failed: " + error_text(e));
-  }
-}
 
 char* ShmAllreduce::lane_buffer(size_t bytes) {
   if (lane_buffer_.size() < bytes) lane_buffer_.resize(bytes);
@@ -52,12 +42,13 @@ void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, void* co
   const char* src = static_cast<const char*>(in);
   for (size_t lo = 0; lo < bytes; lo += piece) {
     const size_t n = std::min(piece, bytes - lo);
-    across(what, [&] { cross_node_->start_all_gather(src + lo, n, lane + lo * nodes); });
+    across("transfer", what,
+           [&] { cross_node_->start_all_gather(src + lo, n, lane + lo * nodes); });
   }
   const Store store = bytes * node_ranks_.size() >= kStreamBytes ? Store::Streaming : Store::Cached;
   for (size_t lo = 0; lo < bytes; lo += piece) {
     const size_t n = std::min(piece, bytes - lo);
-    across(what, [&] { cross_node_->finish_trade(); });
+    across("transfer", what, [&] { cross_node_->finish_trade(); });
     allgather_in_node(
         mine, false, lane + lo * nodes, n * nodes,
         [&](int r, size_t at, const char* from, size_t count) {
@@ -85,7 +76,7 @@ void ShmAllreduce::broadcast_across_nodes(void* data, size_t bytes, int root,
   const int root_node = int(at / ranks), root_local = int(at % ranks);
   if (bytes == 0) return;
   if (channel_.me() == root_local) {
-    across(what, [&] { cross_node_->broadcast(data, bytes, root_node); });
+    across("transfer", what, [&] { cross_node_->broadcast(data, bytes, root_node); });
   }
   broadcast_in_node(mine, false, data, bytes, root_local, what);
 }
@@ -124,7 +115,7 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
     }
     if (lo == 0) finish_node_check(mine, "", what);
     if (n == 0) return;
-    across(what, [&] {
+    across("transfer", what, [&] {
       cross_node_->start_all_to_all(piece_sums, size_t(n) * acc_size,
                                     received + size_t(lo) * acc_size * size_t(nodes));
     });
@@ -132,7 +123,7 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
   const void* from_nodes[kMaxSources];
   for (int64_t lo = 0; lo < count; lo += piece) {
     const int64_t n = std::min(piece, count - lo);
-    across(what, [&] { cross_node_->finish_trade(); });
+    across("transfer", what, [&] { cross_node_->finish_trade(); });
     const char* piece_received = received + size_t(lo) * acc_size * size_t(nodes);
     for (int node = 0; node < nodes; ++node) {
       from_nodes[node] = piece_received + size_t(node) * size_t(n) * acc_size;
