@@ -304,6 +304,7 @@ Backend::Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
       engine_(std::move(engine)),
       why_not_(std::move(why_not)) {
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
+  if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->shm().channel());
 }
 
 void Backend::count(const char* name, Route route) {
@@ -330,10 +331,9 @@ std::map<std::string, Backend::RouteCounts> Backend::routes() const {
 
 std::string Backend::describe() const {
   if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
-  return engine_->describe() +
-         (local() ? ""
-                  : "; across nodes all-to-all, gather and scatter go to gloo, with "
-                    "point-to-point as on one node");
+  return engine_->describe() + "; " +
+         (p2p_ ? p2p_->describe()
+               : "across nodes all-to-all, gather, scatter and point-to-point go to gloo");
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
@@ -754,20 +754,33 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
                    {alltoall_step(outputs, inputs, false, "torch.distributed.all_to_all")});
 }
 
+c10::intrusive_ptr<c10d::Work> Backend::point_to_point(const char* name,
+                                                       std::vector<at::Tensor>& tensors, int peer,
+                                                       int tag, bool is_send) {
+  if (!p2p_) {
+    auto inner =
+        is_send ? gloo_->send(tensors, peer, tag)
+                : (peer < 0 ? gloo_->recvAnysource(tensors, tag) : gloo_->recv(tensors, peer, tag));
+    const c10d::OpType type = inner->retrieveOpType();
+    return on_gloo(name, c10::make_intrusive<PointToPointWork>(std::move(inner), tensors, type));
+  }
+  TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: ", name, " takes one tensor, not ", tensors.size());
+  count(name, Route::kEngine);
+  auto work = is_send ? p2p_->send(tensors[0], peer, tag) : p2p_->recv(tensors[0], peer, tag);
+  if (coalescing_) coalesced_.push_back(work);
+  return work;
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return on_gloo("send", c10::make_intrusive<PointToPointWork>(gloo_->send(tensors, dst, tag),
-                                                               tensors, c10d::OpType::SEND));
+  return point_to_point("send", tensors, dst, tag, true);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return on_gloo("recv", c10::make_intrusive<PointToPointWork>(gloo_->recv(tensors, src, tag),
-                                                               tensors, c10d::OpType::RECV));
+  return point_to_point("recv", tensors, src, tag, false);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return on_gloo("recv",
-                 c10::make_intrusive<PointToPointWork>(gloo_->recvAnysource(tensors, tag), tensors,
-                                                       c10d::OpType::RECVANYSOURCE));
+  return point_to_point("recv", tensors, -1, tag, false);
 }
 
 }  // namespace ddpx

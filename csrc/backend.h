@@ -1,7 +1,8 @@
 // ddpx as a torch.distributed backend for CPU tensors ("ddpx", "cpu:ddpx,cuda:nccl"): the
 // collectives that sum or move a group's tensors run on the node's shared-memory engine
-// (hierarchically, on a job of several nodes), and what it does not serve (point-to-point, and
-// across nodes all-to-all, gather and scatter) goes to an inner gloo backend of the same ranks.
+// (hierarchically, on a job of several nodes), sends and receives on the node's point-to-point
+// rings, and what neither serves (across nodes all-to-all, gather, scatter and point-to-point)
+// goes to an inner gloo backend of the same ranks.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "engine.h"
+#include "shm_p2p.h"
 
 namespace ddpx {
 
@@ -108,6 +110,9 @@ class Backend final : public c10d::Backend {
     return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(steps));
   }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
+  // A send or receive: on the rings for a group on one node, else on gloo.
+  c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, std::vector<at::Tensor>& tensors,
+                                                int peer, int tag, bool is_send);
   void count(const char* name, Route route);
   bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
   Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
@@ -128,6 +133,7 @@ class Backend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<ShmEngine> engine_;
+  std::unique_ptr<ShmPointToPoint> p2p_;  // after engine_: its rings are in the engine's segment
   std::string why_not_;
   mutable std::mutex mu_;
   std::map<std::string, RouteCounts> routes_;

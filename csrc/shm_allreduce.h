@@ -105,6 +105,7 @@ class ShmAllreduce {
   void reject(const std::string& reason, const std::string& what);
 
   using WaitStats = ShmChannel::WaitStats;
+  const ShmChannel& channel() const { return channel_; }
   WaitStats wait_stats() const { return channel_.wait_stats(); }
   std::string wait_policy() const { return channel_.wait_policy(); }
   // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).

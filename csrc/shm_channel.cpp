@@ -1,21 +1,21 @@
 #include "shm_channel.h"
 
 #include <c10/util/Exception.h>
-#include <linux/futex.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
+#include "shm_p2p.h"
+#include "waiting.h"
+
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3678706464ULL;  // "ddpx6": rank 0 picks one-shot too
+constexpr uint64_t kMagic = 0x3778706464ULL;  // "ddpx7": point-to-point rings at the end
 constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). Polling with
 // sched_yield alone costs a time slice per synchronisation once a process outside the job shares
@@ -56,14 +56,6 @@ bool process_exited(int pid) {
   return state == 'Z' || state == 'X';
 }
 
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
-
 // The CPUs this process may run on; all of them if the kernel will not say.
 cpu_set_t allowed_cpus() {
   cpu_set_t set;
@@ -72,17 +64,6 @@ cpu_set_t allowed_cpus() {
     for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) CPU_SET(cpu, &set);
   }
   return set;
-}
-
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
-  timespec ts{};
-  ts.tv_sec = time_t(timeout.count() / 1000000000);
-  ts.tv_nsec = long(timeout.count() % 1000000000);
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futex_wake_all(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 }  // namespace
@@ -114,19 +95,19 @@ struct ShmChannel::Header {
   alignas(64) std::atomic<int32_t> aborted_by;  // 0, or the local rank + 1 that gave up
 };
 
-static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word must be plain");
-
 size_t ShmLayout::control_offset() { return round_up(sizeof(ShmChannel::Header), 64); }
 
 size_t ShmLayout::data_offset() const {
   return round_up(control_offset() + size_t(nranks) * sizeof(ShmChannel::RankControl), kPage);
 }
 
-size_t ShmLayout::segment_bytes() const {
+size_t ShmLayout::p2p_offset() const {
   // Two input slots per rank, then two output slots that hold a wide block's sum in float32:
   // twice the bytes of a block in the narrowest wire dtype.
   return data_offset() + 2 * size_t(nranks) * wide_bytes + 2 * 2 * wide_bytes;
 }
+
+size_t ShmLayout::segment_bytes() const { return p2p_offset() + P2PLayout{nranks}.bytes(); }
 
 ShmChannel::ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
                        std::vector<int> ranks, std::chrono::milliseconds timeout, bool initialize)
@@ -200,6 +181,11 @@ void ShmChannel::publish(Phase phase, uint64_t step) {
     mine.wake.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&mine.wake);
   }
+}
+
+bool ShmChannel::exited(int rank) const {
+  const int pid = control_[rank].pid;
+  return pid > 0 && control_[rank].pid_ns == control_[me_].pid_ns && process_exited(pid);
 }
 
 void ShmChannel::check_not_aborted() const {
@@ -365,7 +351,6 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
   }
   const auto timeout = call_timeout_.count() > 0 ? call_timeout_ : timeout_;
   const auto deadline = start + timeout;
-  const uint64_t my_ns = control_[me_].pid_ns;
   while (true) {
     check_not_aborted();
     // Sleep on the first rank still behind; the others are looked at once it has arrived.
@@ -391,11 +376,10 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
     }
     const char* doing = phase == Phase::Arrive ? "send its block of" : "reduce its slice of";
     for (int r : late) {
-      const int pid = control_[r].pid;
-      if (pid > 0 && control_[r].pid_ns == my_ns && process_exited(pid)) {
-        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(pid) + ") exited while " +
-             rank_name(me_) + " waited for it to " + doing + " " + what + " (step " +
-             std::to_string(step) + ")");
+      if (exited(r)) {
+        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(control_[r].pid) +
+             ") exited while " + rank_name(me_) + " waited for it to " + doing + " " + what +
+             " (step " + std::to_string(step) + ")");
       }
     }
     if (Clock::now() >= deadline) {

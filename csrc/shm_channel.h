@@ -40,6 +40,8 @@ struct ShmLayout {
   size_t segment_bytes() const;
   static size_t control_offset();
   size_t data_offset() const;
+  // Where the point-to-point rings start (shm_p2p.h), after the collectives' slots.
+  size_t p2p_offset() const;
 };
 
 // What a rank says about the call that starts at a step, for its peers to check against theirs.
@@ -67,6 +69,14 @@ class ShmChannel {
   int size() const { return layout_.nranks; }
   int me() const { return me_; }
   const ShmLayout& layout() const { return layout_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  char* p2p_region() const { return segment_->data() + layout_.p2p_offset(); }
+  // Whether the local ranks outnumber the CPUs they may run on, as each last published its
+  // binding (at its last call).
+  bool oversubscribed() const { return layout_.nranks > ranks_cpu_count(); }
+  // Whether local rank `rank`'s process has exited (never for a peer in another pid namespace,
+  // which this one cannot see).
+  bool exited(int rank) const;
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
 

@@ -18,6 +18,7 @@ CPP_SOURCES = (
     "shm_hierarchical.cpp",
     "shm_hierarchical_collectives.cpp",
     "shm_collectives.cpp",
+    "shm_p2p.cpp",
     "torch_compat.cpp",
     "input_checks.cpp",
     "abort_watch.cpp",

@@ -47,8 +47,7 @@ FEW_MB = 1_000_003  # elements: 4 MB of float32 per rank
 ENGINE_ROUTES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                  "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_reduce_coalesced",
                  "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
-                 "all_to_all", "gather", "scatter", "reduce")
-GLOO_ROUTES = ("send", "recv")
+                 "all_to_all", "gather", "scatter", "reduce", "send", "recv")
 # Half the smallest subnormal: the absolute rounding error of a result that lands there.
 TINY = {torch.float32: 2.0**-150, torch.float64: 0.0, torch.bfloat16: 2.0**-134,
         torch.float16: 2.0**-25}
@@ -593,7 +592,7 @@ class Battery:
         expect_equal(out, rank_order_sum([x[::2][rank * 100:(rank + 1) * 100] for x in s]),
                      "reduce_scatter_tensor of a strided input")
 
-    # -- point-to-point (through gloo), all_to_all and the rooted collectives --------------------
+    # -- point-to-point, all_to_all and the rooted collectives ---------------------------------
     def point_to_point_and_rooted(self):
         rank, world = self.rank, self.world
         # Blocking send/recv between ranks 0 and 1, then an isend/irecv ring.
@@ -647,9 +646,8 @@ class Battery:
 
     def check_routes(self):
         served = self.routes.served()
-        assert set(self.calls) <= set(ENGINE_ROUTES) | set(GLOO_ROUTES), self.calls
-        want = {name: (n, 0) if name in ENGINE_ROUTES else (0, n)
-                for name, n in self.calls.items() if n}
+        assert set(self.calls) <= set(ENGINE_ROUTES), self.calls
+        want = {name: (n, 0) for name, n in self.calls.items() if n}
         check(served == want,
               f"routes() since the section began {dict(sorted(served.items()))}, expected "
               f"{dict(sorted(want.items()))} (engine, gloo)")
@@ -1160,11 +1158,20 @@ def multinode_checks(rank, world):
         served = pair_routes.served()
         check(served == {"all_gather_into_tensor": (1, 0), "broadcast": (1, 0)},
               f"the pair's routes {served}")
-    # Still gloo's across nodes: the all-to-all, gather and scatter.
+    # Still gloo's across nodes: the all-to-all, gather, scatter and point-to-point (a ring that
+    # crosses between the nodes and within each).
     out = torch.empty(world * 10)
     dist.all_to_all_single(out, torch.full((world * 10,), float(rank)))
     calls["all_to_all_single", "gloo"] += 1
     expect_equal(out, torch.arange(world).float().repeat_interleave(10), "all_to_all_single")
+    got = torch.empty(5000)
+    works = [dist.isend(make(rank, (5000,), torch.float32, "mn-p2p"), (rank + 1) % world),
+             dist.irecv(got, (rank - 1) % world)]
+    for work in works:
+        work.wait()
+    calls["send", "gloo"] += 1
+    calls["recv", "gloo"] += 1
+    expect_equal(got, make((rank - 1) % world, (5000,), torch.float32, "mn-p2p"), "isend/irecv")
     want = {}
     for (name, path), n in calls.items():
         engine, via_gloo = want.get(name, (0, 0))
@@ -1206,6 +1213,7 @@ def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
     for rank, result in enumerate(results):
         assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
+        assert "point-to-point go to gloo" in result["describe"], result["describe"]
         assert result["prints"] == results[0]["prints"], f"rank {rank} holds other bits"
     assert shm_segments() <= segments
 

@@ -1,7 +1,8 @@
-"""Faults injected for real: a rank SIGKILLed in the middle of training (torchrun, 2 and 4 ranks),
-every rank SIGKILLed mid-all-reduce, two jobs on the node at once, ranks whose DDP models
-disagree, a /dev/shm too small for the segment (a private 1 MiB tmpfs mount), empty tensors and
-foreign groups, and NaN/Inf gradients against DDP's default all-reduce."""
+"""Faults injected for real: a rank SIGKILLed in the middle of training (torchrun, 2 and 4 ranks)
+and while its peer waits to receive from it, every rank SIGKILLed mid-all-reduce, two jobs on
+the node at once, ranks whose DDP models disagree, a /dev/shm too small for the segment (a
+private 1 MiB tmpfs mount), empty tensors and foreign groups, and NaN/Inf gradients against
+DDP's default all-reduce."""
 
 from __future__ import annotations
 
@@ -137,6 +138,49 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_p
     pids = read_pids(tmp_path)
     assert len(pids) == world
     assert_no_job_left(tmp_path, pids)
+    assert not shm_segments() - before
+
+
+RECEIVE_FROM_THE_DEAD = """
+    import os, signal, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    import ddpx
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as above: let rank 1 show what it raised
+    dist.init_process_group("ddpx", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    open(f"pid.{rank}", "w").write(str(os.getpid()))
+    if rank == 0:
+        dist.send(torch.ones(10), 1)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.recv(torch.empty(10), 0)
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(1000), 0)
+    except Exception as error:
+        open("error.1", "w").write(f"{time.monotonic() - start:.1f} s: {error}")
+        raise
+    print("UNREACHABLE: received from a dead rank", flush=True)
+"""
+
+
+def test_a_rank_killed_while_its_peer_waits_in_recv_fails_the_recv(tmp_path):
+    """The ddpx backend's point-to-point: a receive from a rank that dies raises well within
+    the group's timeout (300 s), naming the dead rank."""
+    before = shm_segments()
+    proc = launch(RECEIVE_FROM_THE_DEAD, 2, tmp_path)
+    try:
+        rc, out, _ = finish(proc, timeout=90)
+    finally:
+        reap(proc)
+    assert rc != 0 and "UNREACHABLE" not in out, out
+    took, error = (tmp_path / "error.1").read_text().split(" s: ", 1)
+    assert "ddpx: rank 0 exited while rank 1 waited to receive 4000 bytes (tag 0) from it" \
+        in error, error
+    assert float(took) < 30, took
+    assert_no_job_left(tmp_path, read_pids(tmp_path))
     assert not shm_segments() - before
 
 
