@@ -157,7 +157,7 @@ def test_allreduce(tmp_path):
 
 def test_collectives(tmp_path):
     collectives = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-                   "all_gather", "reduce_scatter", "barrier"]
+                   "all_gather", "reduce_scatter", "barrier", "send_recv"]
     sizes = [4096, 64 * 1024]
     options = "--sizes 4K,64K --iters 2 --min_time 0.02 --warmup 1".split()
     document, stdout = run_bench(tmp_path, "collectives", *options,
@@ -266,6 +266,22 @@ def test_runs_are_fresh_launches_summed_up_by_median_and_worst(tmp_path):
     assert "ranks bound to a core each" in stdout and "worst x peer" in stdout
     assert "(this rank is bound apart from its peers)" in stdout
     assert not list(Path("/dev/shm").glob("ddpx-*"))
+
+
+@pytest.mark.skipif(not ddpx_backend_registered(), reason="needs ddpx's backend")
+def test_collectives_over_runs_give_the_median_and_the_worst(tmp_path):
+    options = "--sizes 4K --iters 2 --min_time 0.02 --warmup 1 --collectives send_recv".split()
+    document, stdout = run_bench(tmp_path, "collectives", *options, "--runs", "2")
+
+    runs = document["runs"]
+    assert len(runs) == 2
+    for row in document["rows"]:
+        same = [r for run in runs for r in run["rows"] if r["engine"] == row["engine"]]
+        assert row["runs"] == 2
+        assert row["median_ms"] == statistics.median(r["median_ms"] for r in same)
+        assert row["worst_median_ms"] == max(r["median_ms"] for r in same)
+        assert row["worst_x_vs_gloo"] == min(r["x_vs_gloo"] for r in same)
+    assert "worst gloo/ddpx" in stdout and "2 fresh launches" in stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -33,10 +33,11 @@ would only compete with the job's share of it.
 --bind core (every mode; default none) binds rank r, and every thread it starts, to core r modulo
 the cores, before it starts any, as mpirun binds 2 ranks by default (the ranks mpirun starts are
 bound by mpirun itself: --bind-to core --map-by core); --bind none leaves them to the scheduler.
---runs N (the modes whose rows name their cells, allreduce and train, on this machine; default 1)
-launches the ranks of every world size N times afresh under the same load: each cell's figures
-are then the median over the N launches, with the slowest launch's median (worst ms) and the
-smallest ratio (worst x) beside them, and the JSON keeps every launch's own result under "runs".
+--runs N (the modes whose rows name their cells, allreduce, collectives and train, on this
+machine; default 1) launches the ranks of every world size N times afresh under the same load:
+each cell's figures are then the median over the N launches, with the slowest launch's median
+(worst ms) and the smallest ratio (worst x) beside them, and the JSON keeps every launch's own
+result under "runs".
 Under load one launch decides nothing:
 
     ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,25M --load 1 --bind core --runs 5
@@ -133,7 +134,8 @@ def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
 
 
 def _modes_with_runs() -> str:
-    return " and ".join(name for name, mode in MODES.items() if mode.cell_keys is not None)
+    names = [name for name, mode in MODES.items() if mode.cell_keys is not None]
+    return ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,8 +16,10 @@ backend="ddpx")), in the same processes, for float32 inputs of each of --sizes (
 engine's own API, as a third engine), `all_gather_into_tensor` and `all_gather` (the list form;
 every rank's input of `size` bytes, an output of world size x size), `reduce_scatter_tensor` and
 `reduce_scatter` (the list form; an input of `size` bytes, an output of size / world size, left
-out where the input does not split evenly), `broadcast` (from rank 0) and `barrier` (no data: one
-cell per world size). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
+out where the input does not split evenly), `broadcast` (from rank 0), `barrier` (no data: one
+cell per world size), `all_to_all_single` and `all_to_all`, and `send_recv` (each rank isends its
+input to the next rank and irecvs the previous rank's, as a pipeline's stages do; on 2 ranks an
+exchange). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
 broadcast. all_gather_into_tensor and reduce_scatter_tensor are called as all_gather_single and
 reduce_scatter_single where torch has those (the same calls, without a deprecation warning). In
 each cell (world size, collective, size), as for allreduce:
@@ -59,7 +61,14 @@ from ddpx.bench.common import (
     timed_in_turns,
 )
 from ddpx.bench.mode import Mode, choice_list, node_options, size_list, timing_options
-from ddpx.bench.report import PER_CALL, format_ms, format_ratio, format_served, pyplot
+from ddpx.bench.report import (
+    PER_CALL,
+    format_ms,
+    format_ratio,
+    format_served,
+    pyplot,
+    runs_line,
+)
 from ddpx.engine import engine_for
 
 COLLECTIVES = (
@@ -72,6 +81,7 @@ COLLECTIVES = (
     "barrier",
     "all_to_all_single",
     "all_to_all",
+    "send_recv",
 )
 DEFAULT_COLLECTIVES = COLLECTIVES[:4]
 # ddpx's own all-reduce, beside torch.distributed.all_reduce on ddpx's group.
@@ -181,6 +191,16 @@ def _call(collective: str, engine: str, group, numel: int):
         def call(tensor):
             dist.all_to_all(outputs, chunks(tensor), group=group)
             return outputs
+    elif collective == "send_recv":
+        output = torch.empty(numel)
+        rank = dist.get_rank()
+
+        def call(tensor):
+            works = [dist.isend(tensor, (rank + 1) % world_size, group=group),
+                     dist.irecv(output, (rank - 1) % world_size, group=group)]
+            for work in works:
+                work.wait()
+            return output
     elif collective == "barrier":
         def call(tensor):
             dist.barrier(group=group)
@@ -265,6 +285,9 @@ def _check_engines(collective: str, size: int | None, calls: dict, seed: int,
         tolerance = (world_size + 1) * UNIT_ROUNDOFF[None] * world_size
     elif collective.startswith("all_to_all"):
         expected = torch.cat([tensor.chunk(world_size)[rank] for tensor in inputs]).double()
+        tolerance = 0.0
+    elif collective == "send_recv":
+        expected = inputs[(rank - 1) % world_size].double()
         tolerance = 0.0
     else:
         gathered = collective.startswith("all_gather")
@@ -355,8 +378,10 @@ def bytes_across(row: dict) -> int | None:
 
 
 def _collectives_table(rows: list[dict]) -> list[str]:
-    """One line per cell (world size, collective, size): each engine's median side by side."""
+    """One line per cell (world size, collective, size): each engine's median side by side; over
+    several runs, ddpx's worst launch beside them."""
     fused = "ddpx.all_reduce"
+    runs = rows[0].get("runs")
     cells = {}
     for row in rows:
         key = (row.get("link"), row["world_size"], row["collective"], row["size_bytes"])
@@ -367,6 +392,7 @@ def _collectives_table(rows: list[dict]) -> list[str]:
         + f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
         f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  "
         + (f"{'bound ms':>9}  {'gloo/bound':>10}  {'ddpx/bound':>10}  " if linked else "")
+        + (f"{'worst ddpx ms':>13}  {'worst gloo/ddpx':>15}  " if runs else "")
         + "ddpx served by"
     )
     lines = [header, "-" * len(header)]
@@ -385,17 +411,21 @@ def _collectives_table(rows: list[dict]) -> list[str]:
             f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
             f"{format_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  "
             + (bound if linked else "")
+            + (f"{format_ms(ddpx and ddpx['worst_median_ms']):>13}  "
+               f"{format_ratio(ddpx and ddpx['worst_x_vs_gloo']):>15}  " if runs else "")
             + format_served(ddpx)
         )
     lines += [
         "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
         "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
-        "from rank 0; barrier: no data",
+        "from rank 0; barrier: no data; send_recv: each rank sends its input to the next rank and "
+        "receives the previous rank's",
         *(LINK_LEGEND if linked else []),
         "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
         "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
         "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, timed) "
         "on its engine and through gloo",
+        *([runs_line(runs, "gloo/ddpx")] if runs else []),
     ]
     return lines
 
@@ -453,6 +483,8 @@ class Collectives(Mode):
     name = "collectives"
     help = "time the torch.distributed collectives on gloo and on ddpx's backend"
     measured = {"timing": PER_CALL}
+    cell_keys = ("world_size", "collective", "size_bytes", "engine")
+    bigger_is_better = ("x_vs_gloo", "x_vs_ddpx")
 
     def add_arguments(self, parser):
         parser.add_argument(
