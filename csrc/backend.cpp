@@ -218,7 +218,7 @@ void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& 
     at::Tensor rows = rows_buffer.narrow(0, 0, n * todo).view({n, todo});
     std::vector<at::Tensor> row_list;
     for (int r = 0; r < n; ++r) row_list.push_back(rows[r]);
-    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(),
+    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(), int32_t(data.scalar_type()),
                   pointers<void*>(row_list).data(), what);
     piece.copy_(rows[0]);
     for (int r = 1; r < n; ++r) combine(piece, rows[r], op);
@@ -333,7 +333,8 @@ std::string Backend::describe() const {
   if (!engine_) return "gloo (ddpx's shared memory is unavailable: " + why_not_ + ")";
   return engine_->describe() + "; " +
          (p2p_ ? p2p_->describe()
-               : "across nodes all-to-all, gather, scatter and point-to-point go to gloo");
+               : "across nodes all-to-all of uneven parts, gather, scatter and point-to-point "
+                 "go to gloo");
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
@@ -432,7 +433,7 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(shm.group_rank()) * input.numel(), input.numel());
     const at::Tensor in = apart_from(dense(input), out, own);
-    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
+    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), int32_t(in.scalar_type()),
                   pointers<void*>(parts_of(out, world, input.numel())).data(), what);
     write_back(output, out);
   };
@@ -442,7 +443,7 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
                                      bool equal_parts, std::string what) {
   return [outs = std::move(outs), ins = std::move(ins), equal_parts,
           what = std::move(what)](ShmAllreduce& shm) {
-    const int n = shm.local_size(), me = shm.local_rank();
+    const int n = shm.group_size(), me = shm.group_rank();
     const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.nbytes() : size_t(0); };
     const auto where = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
     std::vector<at::Tensor> dense_outs, dense_ins;
@@ -481,7 +482,8 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
       std::vector<int64_t> mine(sends.begin(), sends.end()), all(size_t(n * n));
       std::vector<void*> rows;
       for (int r = 0; r < n; ++r) rows.push_back(all.data() + r * n);
-      shm.allgather(mine.data(), mine.size() * sizeof(int64_t), rows.data(), what);
+      shm.allgather(mine.data(), mine.size() * sizeof(int64_t), int32_t(at::kLong), rows.data(),
+                    what);
       longest = size_t(*std::max_element(all.begin(), all.end()));
       for (int r = 0; r < n && why.tellp() == 0; ++r) {
         if (size_t(all[size_t(r * n + me)]) != receives[size_t(r)]) {
@@ -492,7 +494,13 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
       }
     }
     if (why.tellp() > 0) shm.reject(why.str(), what);
-    shm.alltoall(from.data(), sends.data(), to.data(), receives.data(), longest, what);
+    int32_t torch_dtype = -1;
+    for (const auto* parts : {&dense_ins, &dense_outs}) {
+      for (const auto& t : *parts) {
+        if (t.defined()) torch_dtype = int32_t(t.scalar_type());
+      }
+    }
+    shm.alltoall(from.data(), sends.data(), to.data(), receives.data(), longest, torch_dtype, what);
     for (size_t r = 0; r < outs.size(); ++r) {
       if (outs[r].defined()) write_back(outs[r], dense_outs[r]);
     }
@@ -553,7 +561,8 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   return on_engine("broadcast", opts, tensors, {[tensor, root](ShmAllreduce& shm) {
                      at::Tensor data = dense(tensor);
                      shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(),
-                                   root, "torch.distributed.broadcast");
+                                   int32_t(data.scalar_type()), root,
+                                   "torch.distributed.broadcast");
                      write_back(tensor, data);
                    }});
 }
@@ -566,22 +575,22 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const std::vector<at::Tensor> outs = outputs[0];
   const at::Tensor input = inputs[0];
   const int world = getSize();
-  return on_engine("all_gather", opts, outs, {[outs, input, world](ShmAllreduce& shm) {
-                     const std::string what = "torch.distributed.all_gather";
-                     const std::string why = list_error(outs, input, world, what, "outputs");
-                     if (!why.empty()) shm.reject(why, what);
-                     std::vector<at::Tensor> dense_outs;
-                     for (const auto& out : outs) dense_outs.push_back(dense(out));
-                     at::Tensor in = dense(input);
-                     for (int r = 0; r < world; ++r) {
-                       in =
-                           apart_from(in, dense_outs[size_t(r)],
-                                      r == shm.group_rank() ? dense_outs[size_t(r)] : at::Tensor());
-                     }
-                     shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
-                                   pointers<void*>(dense_outs).data(), what);
-                     for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
-                   }});
+  return on_engine(
+      "all_gather", opts, outs, {[outs, input, world](ShmAllreduce& shm) {
+        const std::string what = "torch.distributed.all_gather";
+        const std::string why = list_error(outs, input, world, what, "outputs");
+        if (!why.empty()) shm.reject(why, what);
+        std::vector<at::Tensor> dense_outs;
+        for (const auto& out : outs) dense_outs.push_back(dense(out));
+        at::Tensor in = dense(input);
+        for (int r = 0; r < world; ++r) {
+          in = apart_from(in, dense_outs[size_t(r)],
+                          r == shm.group_rank() ? dense_outs[size_t(r)] : at::Tensor());
+        }
+        shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                      int32_t(in.scalar_type()), pointers<void*>(dense_outs).data(), what);
+        for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
+      }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -700,13 +709,13 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
                                                       std::vector<int64_t>& output_splits,
                                                       std::vector<int64_t>& input_splits,
                                                       const c10d::AllToAllOptions& opts) {
-  if (!local() || input.scalar_type() != output.scalar_type()) {
+  const bool equal = input_splits.empty() && output_splits.empty();
+  if (!engine_ || input.scalar_type() != output.scalar_type() || (!local() && !equal)) {
     return on_gloo("all_to_all_single",
                    gloo_->alltoall_base(output, input, output_splits, input_splits, opts));
   }
   const std::string what = "torch.distributed.all_to_all_single";
   const int world = getSize();
-  const bool equal = input_splits.empty() && output_splits.empty();
   auto parts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* role) {
     std::vector<at::Tensor> out;
     const at::Tensor flat = t.view(-1);  // contiguous: checked below
@@ -745,13 +754,17 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
   const auto other_dtype = [&](const at::Tensor& t) {
     return t.scalar_type() != inputs[0].scalar_type();
   };
-  if (!local() || int(inputs.size()) != world || int(outputs.size()) != world ||
+  // Across nodes the parts must be of one size (the nodes trade them without their sizes).
+  const auto other_size = [&](const at::Tensor& t) { return t.numel() != inputs[0].numel(); };
+  if (!engine_ || int(inputs.size()) != world || int(outputs.size()) != world ||
       std::any_of(inputs.begin(), inputs.end(), other_dtype) ||
-      std::any_of(outputs.begin(), outputs.end(), other_dtype)) {
+      std::any_of(outputs.begin(), outputs.end(), other_dtype) ||
+      (!local() && (std::any_of(inputs.begin(), inputs.end(), other_size) ||
+                    std::any_of(outputs.begin(), outputs.end(), other_size)))) {
     return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
   }
   return on_engine("all_to_all", opts, outputs,
-                   {alltoall_step(outputs, inputs, false, "torch.distributed.all_to_all")});
+                   {alltoall_step(outputs, inputs, !local(), "torch.distributed.all_to_all")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::point_to_point(const char* name,

@@ -1,5 +1,6 @@
 #include "shm_allreduce.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -53,7 +54,9 @@ std::string ShmAllreduce::describe_call(const CallMeta& m) {
   std::ostringstream out;
   out << names[m.op] << m.numel;
   if (m.dtype < 0) {
-    out << " bytes (";
+    out << " bytes ";
+    if (m.torch_dtype >= 0) out << "of " << c10::ScalarType(m.torch_dtype) << " ";
+    out << "(";
   } else {
     out << " " << dtype_name(DType(m.dtype)) << " elements (wire " << dtype_name(DType(m.wire))
         << ", scale " << m.scale << ", ";
@@ -72,7 +75,8 @@ void ShmAllreduce::check_peers_agree(const CallMeta& mine, const std::string& wh
                   channel_.message(r));
     }
     if (m.numel != mine.numel || m.dtype != mine.dtype || m.wire != mine.wire ||
-        m.scale != mine.scale || m.call != mine.call || m.op != mine.op || m.root != mine.root) {
+        m.scale != mine.scale || m.call != mine.call || m.op != mine.op || m.root != mine.root ||
+        m.torch_dtype != mine.torch_dtype) {
       C10_THROW_ERROR(
           Error,
           "ddpx: ranks disagree on " + what + ": " + channel_.rank_name(channel_.me()) + " has " +

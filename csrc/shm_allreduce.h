@@ -54,17 +54,22 @@ class ShmAllreduce {
   // rank's. reduce_scatter: out (count elements) = the sum over ranks of their ins[me], each
   // scaled and rounded into wire, summed in float (double for float64) and rounded into dtype,
   // in rank order on one node, within each node then over the nodes in node order across nodes.
-  // barrier: returns once every rank has called it.
-  void allgather(const void* in, size_t bytes, void* const* outs, const std::string& what);
-  void broadcast(void* data, size_t bytes, int root, const std::string& what);
+  // barrier: returns once every rank has called it. torch_dtype: the c10::ScalarType of the
+  // tensors whose bytes allgather, broadcast and alltoall move, which the ranks check as they do
+  // the sizes.
+  void allgather(const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,
+                 const std::string& what);
+  void broadcast(void* data, size_t bytes, int32_t torch_dtype, int root, const std::string& what);
   void reduce_scatter(const void* const* ins, void* out, DType dtype, DType wire, int64_t count,
                       double scale, const std::string& what);
   void barrier(const std::string& what);
-  // alltoall, one node only: this rank's ins[r] (sends[r] bytes) goes to local rank r, and
-  // outs[r] (receives[r] bytes) receives local rank r's part for this rank. longest, the largest
-  // part any rank sends, must be the same on every rank (the ranks check it): it sets the steps.
+  // alltoall: this rank's ins[r] (sends[r] bytes) goes to rank r, and outs[r] (receives[r]
+  // bytes) receives rank r's part for this rank. longest, the largest part any rank sends, must
+  // be the same on every rank (the ranks check it): it sets the steps. Across nodes every part
+  // must be `longest` bytes.
   void alltoall(const void* const* ins, const size_t* sends, void* const* outs,
-                const size_t* receives, size_t longest, const std::string& what);
+                const size_t* receives, size_t longest, int32_t torch_dtype,
+                const std::string& what);
   bool spans_nodes() const { return cross_node_ != nullptr; }
   // The group: every node's ranks, this one's place among them.
   int group_size() const;
@@ -180,10 +185,17 @@ class ShmAllreduce {
                               const std::string& what);
   // Across nodes (shm_hierarchical_collectives.cpp).
   CallMeta checked_across_nodes(Collective op, int64_t numel, int32_t dtype, int32_t wire,
-                                double scale, int root, const std::string& what);
-  void allgather_across_nodes(const void* in, size_t bytes, void* const* outs,
+                                double scale, int root, int32_t torch_dtype,
+                                const std::string& what);
+  void allgather_across_nodes(const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,
                               const std::string& what);
-  void broadcast_across_nodes(void* data, size_t bytes, int root, const std::string& what);
+  void broadcast_across_nodes(void* data, size_t bytes, int32_t torch_dtype, int root,
+                              const std::string& what);
+  void alltoall_in_node(const CallMeta& mine, bool first, const void* const* ins,
+                        const size_t* sends, void* const* outs, const size_t* receives,
+                        size_t longest, const std::string& what);
+  void alltoall_across_nodes(const void* const* ins, void* const* outs, size_t bytes,
+                             int32_t torch_dtype, const std::string& what);
   void reduce_scatter_across_nodes(const void* const* ins, void* out, DType dtype, DType wire,
                                    int64_t count, double scale, const std::string& what);
   // Runs a transfer between the nodes; its failure fails the engine, on every rank, as "the

@@ -54,6 +54,9 @@ struct CallMeta {
   int32_t op;          // what the engine calls the collective
   int32_t root;        // broadcast's source rank, else 0
   uint64_t schedules;  // local rank 0's only: the schedule mask of the calls after this one
+  // The tensors' c10::ScalarType, for the collectives that move bytes of typed tensors (the
+  // ranks' dtypes must match as their sizes do); -1 otherwise.
+  int32_t torch_dtype = -1;
 };
 
 class ShmChannel {

@@ -14,8 +14,8 @@ CallMeta ShmAllreduce::local_call(Collective op, int64_t numel, int32_t dtype, d
   begin_call();
   TORCH_CHECK_VALUE(!cross_node_, "ddpx: ", what,
                     " spans nodes; the shared-memory engine all-reduces, all-gathers, "
-                    "broadcasts and reduce-scatters across nodes, the other collectives stay on "
-                    "one");
+                    "broadcasts, reduce-scatters and trades equal parts across nodes, the other "
+                    "collectives stay on one");
   return call_meta(op, numel, dtype, dtype, scale, root);
 }
 
@@ -33,13 +33,14 @@ uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
   return step;
 }
 
-void ShmAllreduce::allgather(const void* in, size_t bytes, void* const* outs,
+void ShmAllreduce::allgather(const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,
                              const std::string& what) {
   if (cross_node_) {
-    allgather_across_nodes(in, bytes, outs, what);
+    allgather_across_nodes(in, bytes, torch_dtype, outs, what);
     return;
   }
-  const CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
+  CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
+  mine.torch_dtype = torch_dtype;
   const Store store =
       bytes * size_t(channel_.size()) >= kStreamBytes ? Store::Streaming : Store::Cached;
   allgather_in_node(
@@ -69,14 +70,16 @@ void ShmAllreduce::allgather_in_node(const CallMeta& mine, bool first, const voi
   }
 }
 
-void ShmAllreduce::broadcast(void* data, size_t bytes, int root, const std::string& what) {
+void ShmAllreduce::broadcast(void* data, size_t bytes, int32_t torch_dtype, int root,
+                             const std::string& what) {
   TORCH_CHECK_VALUE(root >= 0 && root < group_size(), "ddpx: broadcast from rank ", root, " of ",
                     group_size());
   if (cross_node_) {
-    broadcast_across_nodes(data, bytes, root, what);
+    broadcast_across_nodes(data, bytes, torch_dtype, root, what);
     return;
   }
-  const CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
+  CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
+  mine.torch_dtype = torch_dtype;
   broadcast_in_node(mine, true, data, bytes, root, what);
 }
 
@@ -157,8 +160,25 @@ void ShmAllreduce::reduce_scatter_in_node(const CallMeta& mine, bool first, cons
 }
 
 void ShmAllreduce::alltoall(const void* const* ins, const size_t* sends, void* const* outs,
-                            const size_t* receives, size_t longest, const std::string& what) {
-  const CallMeta mine = local_call(Collective::AllToAll, int64_t(longest), -1, 1.0, 0, what);
+                            const size_t* receives, size_t longest, int32_t torch_dtype,
+                            const std::string& what) {
+  if (cross_node_) {
+    const int n = group_size();
+    TORCH_CHECK_VALUE(
+        std::all_of(sends, sends + n, [&](size_t b) { return b == longest; }) &&
+            std::all_of(receives, receives + n, [&](size_t b) { return b == longest; }),
+        "ddpx: ", what, " across nodes takes parts of one size");
+    alltoall_across_nodes(ins, outs, longest, torch_dtype, what);
+    return;
+  }
+  CallMeta mine = local_call(Collective::AllToAll, int64_t(longest), -1, 1.0, 0, what);
+  mine.torch_dtype = torch_dtype;
+  alltoall_in_node(mine, true, ins, sends, outs, receives, longest, what);
+}
+
+void ShmAllreduce::alltoall_in_node(const CallMeta& mine, bool first, const void* const* ins,
+                                    const size_t* sends, void* const* outs, const size_t* receives,
+                                    size_t longest, const std::string& what) {
   const int me = channel_.me();
   const Kernels& k = kernels();
   const int n = channel_.size();
@@ -174,7 +194,7 @@ void ShmAllreduce::alltoall(const void* const* ins, const size_t* sends, void* c
   for (size_t s = 0; s < steps; ++s) {
     const size_t lo = s * part;
     const uint64_t step = exchange(
-        mine, s == 0,
+        mine, first && s == 0,
         [&](char* slot) {
           for (int r = 0; r < n; ++r) {
             const size_t count = r == me ? 0 : piece(sends[r], lo);

@@ -54,7 +54,8 @@ std::vector<int64_t> ShmAllreduce::node_words(const CallMeta& m, bool ok) {
   int64_t scale_bits;
   static_assert(sizeof scale_bits == sizeof m.scale);
   std::memcpy(&scale_bits, &m.scale, sizeof scale_bits);
-  return {ok ? 0 : 1, int64_t(m.call), m.numel, m.dtype, m.wire, scale_bits, m.op, m.root};
+  return {ok ? 0 : 1, int64_t(m.call), m.numel,      m.dtype, m.wire, scale_bits,
+          m.op,       m.root,          m.torch_dtype};
 }
 
 void ShmAllreduce::start_node_check(const CallMeta& mine, bool ok, const std::string& what) {
@@ -92,7 +93,7 @@ void ShmAllreduce::finish_node_check(const CallMeta& mine, const std::string& lo
       std::memcpy(&scale, &theirs[5], sizeof scale);
       const CallMeta other{uint64_t(theirs[1]), theirs[2], int32_t(theirs[3]),
                            int32_t(theirs[4]),  scale,     int32_t(theirs[6]),
-                           int32_t(theirs[7]),  0};
+                           int32_t(theirs[7]),  0,         int32_t(theirs[8])};
       C10_THROW_ERROR(
           Error, "ddpx: nodes disagree on " + what + ": " + channel_.rank_name(channel_.me()) +
                      " on node " + std::to_string(cross_node_->node()) + " has " +

@@ -1,9 +1,10 @@
-// The all-gather, broadcast and reduce-scatter of a group that spans nodes: each rank trades with
-// the ranks of its local index on the other nodes (its lane), and the node's shared memory does
-// the rest, so every node's link carries each byte once, every lane a share of it.
+// The all-gather, broadcast, reduce-scatter and all-to-all of a group that spans nodes: each rank
+// trades with the ranks of its local index on the other nodes (its lane), and the node's shared
+// memory does the rest, so every node's link carries each byte once, every lane a share of it.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cross_node.h"
 #include "shm_allreduce.h"
@@ -19,9 +20,10 @@ char* ShmAllreduce::lane_buffer(size_t bytes) {
 // crosses: the nodes' transfers go only where every rank agreed.
 CallMeta ShmAllreduce::checked_across_nodes(Collective op, int64_t numel, int32_t dtype,
                                             int32_t wire, double scale, int root,
-                                            const std::string& what) {
+                                            int32_t torch_dtype, const std::string& what) {
   begin_call();
-  const CallMeta mine = call_meta(op, numel, dtype, wire, scale, root);
+  CallMeta mine = call_meta(op, numel, dtype, wire, scale, root);
+  mine.torch_dtype = torch_dtype;
   exchange(mine, true, [](char*) {}, what);
   finish_node_check(mine, "", what);
   return mine;
@@ -30,10 +32,10 @@ CallMeta ShmAllreduce::checked_across_nodes(Collective op, int64_t numel, int32_
 // Each rank all-gathers its input over its lane, then the node all-gathers what the lanes brought:
 // rank r's part of node n lands at outs[group rank of (n, r)]. In pieces (cross_piece_bytes),
 // all started at once: the node hands out each piece as it lands, while the next cross.
-void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, void* const* outs,
-                                          const std::string& what) {
-  const CallMeta mine =
-      checked_across_nodes(Collective::AllGather, int64_t(bytes), -1, -1, 1.0, 0, what);
+void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, int32_t torch_dtype,
+                                          void* const* outs, const std::string& what) {
+  const CallMeta mine = checked_across_nodes(Collective::AllGather, int64_t(bytes), -1, -1, 1.0, 0,
+                                             torch_dtype, what);
   if (bytes == 0) return;
   const size_t nodes = size_t(cross_node_->nodes()), ranks = size_t(channel_.size());
   const size_t piece = cross_piece_bytes(bytes);
@@ -67,10 +69,10 @@ void ShmAllreduce::allgather_across_nodes(const void* in, size_t bytes, void* co
 }
 
 // The root's lane broadcasts from the root's node, then every node broadcasts from that lane.
-void ShmAllreduce::broadcast_across_nodes(void* data, size_t bytes, int root,
+void ShmAllreduce::broadcast_across_nodes(void* data, size_t bytes, int32_t torch_dtype, int root,
                                           const std::string& what) {
-  const CallMeta mine =
-      checked_across_nodes(Collective::Broadcast, int64_t(bytes), -1, -1, 1.0, root, what);
+  const CallMeta mine = checked_across_nodes(Collective::Broadcast, int64_t(bytes), -1, -1, 1.0,
+                                             root, torch_dtype, what);
   const int ranks = channel_.size();
   const auto at = std::find(node_ranks_.begin(), node_ranks_.end(), root) - node_ranks_.begin();
   const int root_node = int(at / ranks), root_local = int(at % ranks);
@@ -130,6 +132,54 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
     }
     kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
                      Store::Cached);
+  }
+}
+
+// Each piece of the parts (cross_piece_bytes) goes through the node once per destination node:
+// local rank r collects from every local rank its part for rank r of node m, and those parts,
+// side by side, are its lane's message to node m. The lanes trade each piece as soon as the node
+// has collected it.
+void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* outs, size_t bytes,
+                                         int32_t torch_dtype, const std::string& what) {
+  begin_call();
+  CallMeta mine = call_meta(Collective::AllToAll, int64_t(bytes), -1, -1, 1.0, 0);
+  mine.torch_dtype = torch_dtype;
+  const size_t nodes = size_t(cross_node_->nodes()), ranks = size_t(channel_.size());
+  const size_t piece = cross_piece_bytes(bytes);
+  // Piece [lo, lo + n) of what crosses lies at nodes x ranks x lo, node by node, rank by rank;
+  // so does what comes back.
+  char* dealt = lane_buffer(2 * nodes * ranks * bytes);
+  char* received = dealt + nodes * ranks * bytes;
+  std::vector<const void*> node_ins(ranks);
+  std::vector<void*> node_outs(ranks);
+  for (size_t lo = 0; lo == 0 || lo < bytes; lo += piece) {
+    const size_t n = std::min(piece, bytes - lo);
+    const std::vector<size_t> sizes(ranks, n);
+    char* piece_dealt = dealt + lo * nodes * ranks;
+    for (size_t node = 0; node < nodes; ++node) {
+      for (size_t r = 0; r < ranks; ++r) {
+        node_ins[r] = static_cast<const char*>(ins[node_ranks_[node * ranks + r]]) + lo;
+        node_outs[r] = piece_dealt + (node * ranks + r) * n;
+      }
+      alltoall_in_node(mine, lo == 0 && node == 0, node_ins.data(), sizes.data(), node_outs.data(),
+                       sizes.data(), n, what);
+    }
+    if (lo == 0) finish_node_check(mine, "", what);
+    if (n == 0) return;
+    across("transfer", what, [&] {
+      cross_node_->start_all_to_all(piece_dealt, ranks * n, received + lo * nodes * ranks);
+    });
+  }
+  for (size_t lo = 0; lo < bytes; lo += piece) {
+    const size_t n = std::min(piece, bytes - lo);
+    across("transfer", what, [&] { cross_node_->finish_trade(); });
+    const char* piece_received = received + lo * nodes * ranks;
+    for (size_t node = 0; node < nodes; ++node) {
+      for (size_t r = 0; r < ranks; ++r) {
+        kernels().copy(static_cast<char*>(outs[node_ranks_[node * ranks + r]]) + lo,
+                       piece_received + (node * ranks + r) * n, n, Store::Cached);
+      }
+    }
   }
 }
 

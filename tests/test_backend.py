@@ -863,6 +863,16 @@ def bad_calls(rank, world):
         dist.all_reduce(torch.ones(64, dtype=torch.float32 if rank == 0 else torch.float64))
     messages["all_reduce dtypes"] = str(info.value)
     in_step(world, "all_reduce of different dtypes")
+    # Same bytes, different dtypes: the copies would reinterpret one rank's bits.
+    dtype = torch.float32 if rank == 0 else torch.int32
+    with pytest.raises(RuntimeError, match=DISAGREE) as info:
+        dist.all_gather_into_tensor(torch.empty(world * 5, dtype=dtype), torch.ones(5, dtype=dtype))
+    messages["all_gather_into_tensor dtypes"] = str(info.value)
+    in_step(world, "all_gather_into_tensor of different dtypes")
+    with pytest.raises(RuntimeError, match=DISAGREE) as info:
+        dist.broadcast(torch.ones(5, dtype=dtype), 0)
+    messages["broadcast dtypes"] = str(info.value)
+    in_step(world, "broadcast of different dtypes")
     return messages
 
 
@@ -878,6 +888,9 @@ def test_bad_calls_raise_on_every_rank_and_the_group_stays_in_step(rank_pool):
     assert str(world * 5 + 3) in bad and expected.search(bad), bad
     for rank, m in enumerate(messages[1:], start=1):
         assert "rank 0" in m["all_gather_into_tensor, rank 0"], (rank, m)
+    for rank, m in enumerate(messages):
+        for name in ("all_gather_into_tensor dtypes", "broadcast dtypes"):
+            assert "bytes of Float" in m[name] and "bytes of Int" in m[name], (rank, m[name])
 
 
 def late_rank(rank, world):
@@ -1044,9 +1057,10 @@ def test_device_mapped_init_strings_put_cpu_tensors_on_ddpx(backend):
 # Two nodes on one machine: two torchrun launches (GROUP_RANK tells the nodes apart)
 
 def multinode_checks(rank, world):
-    """The all-reduce, all-gather, broadcast, reduce-scatter and barrier through the engine
-    (hierarchically), the all-to-all through gloo; against gloo and the references. Returns the
-    digests every rank must hold bit for bit."""
+    """The all-reduce, all-gather, broadcast, reduce-scatter, all-to-all of equal parts and
+    barrier through the engine (hierarchically), uneven all-to-all and point-to-point through
+    gloo; against gloo and the references. Returns the digests every rank must hold bit for
+    bit."""
     quiet()
     gloo = dist.new_group(backend="gloo")
     routes = Routes()
@@ -1124,10 +1138,15 @@ def multinode_checks(rank, world):
     # stays in step: sizes that differ between the nodes, roots that differ, a rank that rejects
     # its input.
     node = rank // 2
+    dtype = torch.float32 if node == 0 else torch.int32
     bad_calls = {
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
             torch.empty(world * (10 + node)), torch.ones(10 + node)),
         "broadcast": lambda: dist.broadcast(torch.ones(10), node),
+        "all_gather": lambda: dist.all_gather(
+            [torch.empty(10, dtype=dtype) for _ in range(world)], torch.ones(10, dtype=dtype)),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            torch.empty(world * (2 + node)), torch.ones(world * (2 + node))),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
             torch.empty(10), torch.ones(world * 10 + (rank == 3))),
     }
@@ -1158,12 +1177,27 @@ def multinode_checks(rank, world):
         served = pair_routes.served()
         check(served == {"all_gather_into_tensor": (1, 0), "broadcast": (1, 0)},
               f"the pair's routes {served}")
-    # Still gloo's across nodes: the all-to-all, gather, scatter and point-to-point (a ring that
+    # All-to-all of equal parts: nothing, one piece, several pieces (parts over 256 KiB).
+    for n in (0, 3, 300_001):
+        parts = [make(rank, (n,), torch.bfloat16, f"mn-a2a-{q}") for q in range(world)]
+        out = torch.empty(world * n, dtype=torch.bfloat16)
+        dist.all_to_all_single(out, torch.cat(parts))
+        calls["all_to_all_single", "engine"] += 1
+        expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"mn-a2a-{rank}")
+                                     for q in range(world)]), f"all_to_all_single of {n}")
+        outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(world)]
+        dist.all_to_all(outs, parts)
+        calls["all_to_all", "engine"] += 1
+        expect_equal(torch.cat(outs), out, f"all_to_all of {n}")
+    # Still gloo's across nodes: uneven splits, gather, scatter and point-to-point (a ring that
     # crosses between the nodes and within each).
-    out = torch.empty(world * 10)
-    dist.all_to_all_single(out, torch.full((world * 10,), float(rank)))
+    splits = [1 + q for q in range(world)]  # rank sends q + 1 elements to q
+    out = torch.empty(world * (rank + 1))
+    dist.all_to_all_single(out, torch.full((sum(splits),), float(rank)), output_split_sizes=[
+        rank + 1] * world, input_split_sizes=splits)
     calls["all_to_all_single", "gloo"] += 1
-    expect_equal(out, torch.arange(world).float().repeat_interleave(10), "all_to_all_single")
+    expect_equal(out, torch.arange(world).float().repeat_interleave(rank + 1),
+                 "all_to_all_single with splits")
     got = torch.empty(5000)
     works = [dist.isend(make(rank, (5000,), torch.float32, "mn-p2p"), (rank + 1) % world),
              dist.irecv(got, (rank - 1) % world)]

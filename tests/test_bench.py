@@ -381,7 +381,10 @@ def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
     assert bytes_across(row("all_gather", nodes=3, world_size=6)) == 4 * size
     assert bytes_across(row("reduce_scatter_tensor")) == size // 2  # the other node's 2 parts
     assert bytes_across(row("broadcast")) == size
-    assert bytes_across(row("all_to_all")) is None
+    # 2 ranks a node, each sending half its input to the other node's ranks.
+    assert bytes_across(row("all_to_all")) == size
+    assert bytes_across(row("all_to_all_single", nodes=3, world_size=6)) == 4 * size // 3
+    assert bytes_across(row("send_recv")) is None
     assert bytes_across(row("all_reduce", nodes=1, world_size=2)) is None
     assert bytes_across({**row("barrier"), "size_bytes": None}) is None
 

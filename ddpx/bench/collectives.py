@@ -362,7 +362,9 @@ def bytes_across(row: dict) -> int | None:
     """The bytes a node's link must carry in one direction for the row's call between its N
     nodes (L ranks each), at the least: an all-reduce 2(N-1)/N of the input; an all-gather the
     other nodes' (N-1)L inputs; a reduce-scatter the node's sums of the parts of the other nodes'
-    ranks, (N-1)/N of the input; a broadcast the input once. None where no bytes bound it."""
+    ranks, (N-1)/N of the input; a broadcast the input once; an all-to-all the parts of the
+    node's L ranks for the other nodes' ranks, (N-1)/N of each input. None where no bytes bound
+    it."""
     size, nodes = row["size_bytes"], row["nodes"]
     if size is None or nodes < 2:
         return None
@@ -374,6 +376,8 @@ def bytes_across(row: dict) -> int | None:
         "reduce_scatter_tensor": (nodes - 1) * size // nodes,
         "reduce_scatter": (nodes - 1) * size // nodes,
         "broadcast": size,
+        "all_to_all_single": ranks * (nodes - 1) * size // nodes,
+        "all_to_all": ranks * (nodes - 1) * size // nodes,
     }.get(row["collective"])
 
 
@@ -508,7 +512,7 @@ class Collectives(Mode):
         return bench_collectives(args)
 
     def add_link_figures(self, rows):
-        """Each row's bound on its shaped link (bound_ms; none for the barrier and all-to-all),
+        """Each row's bound on its shaped link (bound_ms; none for the barrier and send_recv),
         and its time against it."""
         from ddpx.bench.testbed import bits_per_second  # only where --link ran
 
