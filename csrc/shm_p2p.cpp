@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <sstream>
@@ -192,6 +193,27 @@ struct ShmPointToPoint::State {
     std::memcpy(to + first, base, count - first);
   }
 
+  // Moves a message's bytes, padded, between memory and a ring as far as `room` allows, in
+  // pieces: copy(at, offset, count) moves count bytes at the message's offset to or from ring
+  // position at. Each piece is published on counter (the ring's head or tail, at `at`) and rings
+  // peer. Returns whether the whole message is through.
+  bool stream(std::atomic<uint64_t>& counter, uint64_t& at, size_t& room, size_t& moved,
+              size_t bytes, int peer, bool& any,
+              const std::function<void(uint64_t, size_t, size_t)>& copy) {
+    const size_t padded = round_up(bytes, kFrame);
+    while (moved < padded && room > 0) {
+      const size_t count = std::min({room, padded - moved, piece});
+      if (moved < bytes) copy(at, moved, std::min(count, bytes - moved));
+      at += count;
+      room -= count;
+      moved += count;
+      counter.store(at, std::memory_order_seq_cst);
+      ring_bell(peer);
+      any = true;
+    }
+    return moved == padded;
+  }
+
   void post(const std::shared_ptr<Op>& op) {
     {
       std::lock_guard<std::mutex> lock(post_mu);
@@ -281,20 +303,11 @@ struct ShmPointToPoint::State {
         ring_bell(dst);
         moved = true;
       }
-      const size_t padded = round_up(op.bytes, kFrame);
-      while (op.moved < padded && room > 0) {
-        const size_t count = std::min({room, padded - op.moved, piece});
-        if (op.moved < op.bytes) {
-          to_ring(base, head, op.data() + op.moved, std::min(count, op.bytes - op.moved));
-        }
-        head += count;
-        room -= count;
-        op.moved += count;
-        ctl.head.store(head, std::memory_order_seq_cst);
-        ring_bell(dst);
-        moved = true;
-      }
-      if (op.moved < padded) return moved;
+      const bool through = stream(ctl.head, head, room, op.moved, op.bytes, dst, moved,
+                                  [&](uint64_t at, size_t offset, size_t count) {
+                                    to_ring(base, at, op.data() + offset, count);
+                                  });
+      if (!through) return moved;
       done.push_back({queue.front(), ""});
       queue.pop_front();
     }
@@ -340,22 +353,13 @@ struct ShmPointToPoint::State {
         ring_bell(src);
         moved = true;
       }
-      const size_t padded = round_up(in.bytes, kFrame);
       const bool fits = !in.to_op || in.op->bytes == in.bytes;
       char* to = in.to_op ? in.op->data() : in.held->data.data();
-      while (in.moved < padded && ready > 0) {
-        const size_t count = std::min({ready, padded - in.moved, piece});
-        if (fits && in.moved < in.bytes) {
-          from_ring(base, tail, to + in.moved, std::min(count, in.bytes - in.moved));
-        }
-        tail += count;
-        ready -= count;
-        in.moved += count;
-        ctl.tail.store(tail, std::memory_order_seq_cst);
-        ring_bell(src);
-        moved = true;
-      }
-      if (in.moved < padded) return moved;
+      const bool through = stream(ctl.tail, tail, ready, in.moved, in.bytes, src, moved,
+                                  [&](uint64_t at, size_t offset, size_t count) {
+                                    if (fits) from_ring(base, at, to + offset, count);
+                                  });
+      if (!through) return moved;
       if (in.to_op) {
         done.push_back({in.op, fits ? "" : size_mismatch(*in.op, src, in.bytes)});
       } else {
