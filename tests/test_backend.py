@@ -43,7 +43,7 @@ INTS = [torch.int64, torch.int32, torch.uint8]
 EVERY_DTYPE = FLOATS + INTS + [torch.bool]
 SIZES = [0, 1, 3, 17, 4097, 65537]
 FEW_MB = 1_000_003  # elements: 4 MB of float32 per rank
-# The collectives the shared-memory engine serves on one node, and those left to the inner gloo.
+# The calls the shared-memory engine (and its point-to-point rings) serve on one node: all of them.
 ENGINE_ROUTES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
                  "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_reduce_coalesced",
                  "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
