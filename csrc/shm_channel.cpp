@@ -16,7 +16,6 @@ namespace ddpx {
 namespace {
 
 constexpr uint64_t kMagic = 0x3778706464ULL;  // "ddpx7": point-to-point rings at the end
-constexpr size_t kPage = 4096;
 // Waiting for peers goes through three stages, none unbounded (see wait_all). Polling with
 // sched_yield alone costs a time slice per synchronisation once a process outside the job shares
 // the core, and spinning without looking at where the awaited rank runs costs twice the time
@@ -36,8 +35,6 @@ constexpr auto kLostYield = std::chrono::microseconds(1000);
 constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
-
-size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 uint64_t pid_namespace() {
   struct stat st{};

@@ -23,7 +23,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr size_t kFrame = 64;  // a message's frame, and what its bytes are padded to
-constexpr size_t kPage = 4096;
 // The rings of all pairs together take about this much, each between the bounds below.
 constexpr size_t kRingsBudget = size_t(16) << 20;
 constexpr size_t kMinRing = size_t(64) << 10;
@@ -35,8 +34,6 @@ constexpr auto kSpin = std::chrono::microseconds(50);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 // How long the thread leaves a new send or receive to its caller before it moves it itself.
 constexpr auto kGrace = std::chrono::microseconds(100);
-
-size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 // A rank's doorbell: whoever moves its sends and receives sleeps on `word` when there is nothing
 // to move, and a peer that publishes to it, or a local thread that posts, bumps the word.

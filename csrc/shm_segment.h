@@ -7,6 +7,10 @@
 
 namespace ddpx {
 
+// What the layouts in a segment align their parts to.
+constexpr size_t kPage = 4096;
+inline size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
 // The creator reserves its pages up front (fallocate), so a full /dev/shm fails here with a
 // message instead of a SIGBUS later.
 class ShmSegment {
