@@ -3,7 +3,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <exception>
+#include <sstream>
 #include <string>
 
 namespace ddpx {
@@ -14,6 +16,13 @@ inline std::string error_text(const std::exception& e) {
     return c10_error->what_without_backtrace();
   }
   return e.what();
+}
+
+// A timeout as the errors print it, in seconds: "0.5", "300".
+inline std::string seconds_text(std::chrono::milliseconds timeout) {
+  std::ostringstream out;
+  out << std::chrono::duration<double>(timeout).count();
+  return out.str();
 }
 
 }  // namespace ddpx

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "errors.h"
 #include "shm_p2p.h"
 #include "waiting.h"
 
@@ -382,9 +383,7 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
     if (Clock::now() >= deadline) {
       std::ostringstream names;
       for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
-      std::ostringstream secs;
-      secs << std::chrono::duration<double>(timeout).count();
-      fail("ddpx: " + rank_name(me_) + " timed out after " + secs.str() +
+      fail("ddpx: " + rank_name(me_) + " timed out after " + seconds_text(timeout) +
            " s waiting for rank(s) " + names.str() + " to " + doing + " " + what + " (step " +
            std::to_string(step) + "); raise the timeout if a peer can be this slow");
     }

@@ -12,8 +12,8 @@
 #include <functional>
 #include <list>
 #include <mutex>
-#include <sstream>
 
+#include "errors.h"
 #include "shm_channel.h"
 #include "waiting.h"
 
@@ -426,9 +426,8 @@ struct ShmPointToPoint::State {
                  (op.is_send ? " to it" : " from it");
         }
         if (now < op.deadline) return "";
-        std::ostringstream secs;
-        secs << std::chrono::duration<double>(channel.timeout()).count();
-        return "ddpx: " + name(me) + " timed out after " + secs.str() + " s waiting to " + what +
+        return "ddpx: " + name(me) + " timed out after " + seconds_text(channel.timeout()) +
+               " s waiting to " + what +
                (op.peer < 0 ? " from any rank" : (op.is_send ? " to " : " from ") + name(op.peer)) +
                ": post the matching " + (op.is_send ? "recv" : "send") + " on the peer, or " +
                "raise the process group's timeout if it can be this slow";
