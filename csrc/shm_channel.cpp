@@ -398,7 +398,7 @@ void ShmChannel::begin_call() {
   // The binding is the user's and may change between calls (taskset -p): each call reads it.
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
-  oversubscribed_ = layout_.nranks > ranks_cpu_count();
+  oversubscribed_ = oversubscribed();
 }
 
 }  // namespace ddpx
