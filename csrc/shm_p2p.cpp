@@ -96,12 +96,10 @@ struct Held {
 // The message at the tail of a ring from one source, once its frame is read.
 struct Inbound {
   bool framed = false;
-  int64_t tag = 0;
   size_t bytes = 0;
   size_t moved = 0;                // of its padded bytes
-  std::shared_ptr<Op> op;          // the receive it goes to, or
+  std::shared_ptr<Op> op;          // the receive it goes to, or (null)
   std::list<Held>::iterator held;  // where it is set aside
-  bool to_op = false;
 };
 
 }  // namespace
@@ -115,8 +113,7 @@ size_t P2PLayout::ring_bytes() const {
 }
 
 size_t P2PLayout::bytes() const {
-  const size_t pairs = size_t(nranks) * size_t(std::max(nranks - 1, 0));
-  return controls_bytes(nranks) + pairs * ring_bytes();
+  return controls_bytes(nranks) + size_t(nranks) * size_t(nranks - 1) * ring_bytes();
 }
 
 struct ShmPointToPoint::State {
@@ -329,19 +326,16 @@ struct ShmPointToPoint::State {
                                [&](const auto& r) { return wants(*r, src, frame.tag); });
         if (it != recvs.end()) {
           in.op = *it;
-          in.to_op = true;
           recvs.erase(it);
           in.op->source.store(src);
         } else if (std::any_of(recvs.begin(), recvs.end(),
                                [&](const auto& r) { return r->peer < 0 || r->peer == src; })) {
           in.held = held.insert(held.end(), Held{src, frame.tag, {}, false});
           in.held->data.resize(frame.bytes);
-          in.to_op = false;
         } else {
           return moved;  // no receive waits for this source: the message stays in the ring
         }
         in.framed = true;
-        in.tag = frame.tag;
         in.bytes = frame.bytes;
         in.moved = 0;
         tail += kFrame;
@@ -350,19 +344,19 @@ struct ShmPointToPoint::State {
         ring_bell(src);
         moved = true;
       }
-      const bool fits = !in.to_op || in.op->bytes == in.bytes;
-      char* to = in.to_op ? in.op->data() : in.held->data.data();
+      const bool fits = !in.op || in.op->bytes == in.bytes;
+      char* to = in.op ? in.op->data() : in.held->data.data();
       const bool through = stream(ctl.tail, tail, ready, in.moved, in.bytes, src, moved,
                                   [&](uint64_t at, size_t offset, size_t count) {
                                     if (fits) from_ring(base, at, to + offset, count);
                                   });
       if (!through) return moved;
-      if (in.to_op) {
+      if (in.op) {
         done.push_back({in.op, fits ? "" : size_mismatch(*in.op, src, in.bytes)});
       } else {
         in.held->complete = true;
         auto it = std::find_if(recvs.begin(), recvs.end(),
-                               [&](const auto& r) { return wants(*r, src, in.tag); });
+                               [&](const auto& r) { return wants(*r, src, in.held->tag); });
         if (it != recvs.end()) {
           deliver(*it, *in.held, done);
           recvs.erase(it);
@@ -445,7 +439,7 @@ struct ShmPointToPoint::State {
           it = queue.erase(it);
         }
         Inbound& in = inbound[size_t(peer)];
-        if (in.framed && in.to_op) {
+        if (in.op) {
           std::string error = why(*in.op);
           if (!error.empty()) {
             broken[size_t(peer)] = error;
@@ -517,7 +511,7 @@ struct ShmPointToPoint::State {
       for (auto& queue : sends) ops.insert(ops.end(), queue.begin(), queue.end());
       ops.insert(ops.end(), recvs.begin(), recvs.end());
       for (auto& in : inbound) {
-        if (in.framed && in.to_op) ops.push_back(in.op);
+        if (in.op) ops.push_back(in.op);
       }
       for (auto& op : ops) {
         done.push_back({op, "ddpx: the process group was destroyed while this " +
