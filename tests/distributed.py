@@ -22,6 +22,7 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.multiprocessing as mp
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -304,6 +305,17 @@ class RankPool:
         if self._store_dir is not None:
             self._store_dir.cleanup()
         self._procs, self._tasks, self._results, self._store_dir = [], [], None, None
+
+
+def payload(src: int, dst: int, n: int, dtype=torch.float32, tag: int = 0) -> torch.Tensor:
+    """What rank src sends rank dst: n values that name both ends, the tag and the position
+    (bools: a pattern of them; complex: each value and its negation)."""
+    values = torch.arange(n, dtype=torch.float64) + 1000 * src + 100 * dst + 10 * tag
+    if dtype == torch.bool:
+        return values.remainder(3) == 1
+    if dtype.is_complex:
+        return torch.complex(values, -values).to(dtype)
+    return values.to(dtype)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, env: dict | None = None,

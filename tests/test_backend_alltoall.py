@@ -9,13 +9,12 @@ import torch
 
 from ddpx import backend_of
 
-from distributed import run_ranks
+from distributed import payload, run_ranks
 
 
 def _payload(rank, dest, rows, dtype):
-    """Rank `rank`'s part for `dest`: values that name both, and the row."""
-    base = torch.arange(rows * 3, dtype=torch.float64).view(rows, 3)
-    return (base + 1000 * rank + 100 * dest).to(dtype)
+    """Rank `rank`'s part for `dest`: rows of 3 values that name both, and the row."""
+    return payload(rank, dest, rows * 3, dtype).view(rows, 3)
 
 
 def _splits(world, rank):

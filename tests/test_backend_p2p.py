@@ -10,18 +10,10 @@ import time
 import pytest
 import torch
 
+from distributed import payload
+
 # The rings hold 2 MiB per pair at 2 and 3 ranks: the large messages take several.
 LARGE = 1_100_000
-
-
-def _payload(src: int, dst: int, n: int, dtype=torch.float32, tag: int = 0) -> torch.Tensor:
-    """What src sends dst: values that name both ends, the tag and the position."""
-    values = torch.arange(n, dtype=torch.float64) + 1000 * src + 100 * dst + 10 * tag
-    if dtype == torch.bool:
-        return values.remainder(3) == 1
-    if dtype.is_complex:
-        return torch.complex(values, -values).to(dtype)
-    return values.to(dtype)
 
 
 def _exchange(rank, world, on_ddpx):
@@ -37,23 +29,23 @@ def _exchange(rank, world, on_ddpx):
             other = 1 - rank
             got = torch.empty(n)
             if rank == 0:
-                dist.send(_payload(0, 1, n), 1)
+                dist.send(payload(0, 1, n), 1)
                 dist.recv(got, 1)
             else:
                 dist.recv(got, 0)
-                dist.send(_payload(1, 0, n), 0)
+                dist.send(payload(1, 0, n), 0)
             results[("send/recv", n)] = got
-            assert torch.equal(got, _payload(other, rank, n)), n
+            assert torch.equal(got, payload(other, rank, n)), n
     # An isend/irecv ring in every dtype.
     for dtype in (torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.complex64):
         got = torch.empty(3001, dtype=dtype)
-        works = [dist.isend(_payload(rank, nxt, 3001, dtype), nxt), dist.irecv(got, prv)]
+        works = [dist.isend(payload(rank, nxt, 3001, dtype), nxt), dist.irecv(got, prv)]
         for work in works:
             work.wait()
         results[("ring", str(dtype))] = got
     # Every pair at once, each message larger than a ring: no pair may wait for another.
     gots = {peer: torch.empty(LARGE) for peer in range(world) if peer != rank}
-    ops = [op for peer in gots for op in (dist.P2POp(dist.isend, _payload(rank, peer, LARGE), peer),
+    ops = [op for peer in gots for op in (dist.P2POp(dist.isend, payload(rank, peer, LARGE), peer),
                                           dist.P2POp(dist.irecv, gots[peer], peer))]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
@@ -61,8 +53,8 @@ def _exchange(rank, world, on_ddpx):
         results[("batch", peer)] = got
     # Tags received in the other order than sent: the first message waits aside.
     if rank == 0:
-        works = [dist.isend(_payload(0, 1, LARGE, tag=1), 1, tag=1),
-                 dist.isend(_payload(0, 1, 5, tag=2), 1, tag=2)]
+        works = [dist.isend(payload(0, 1, LARGE, tag=1), 1, tag=1),
+                 dist.isend(payload(0, 1, 5, tag=2), 1, tag=2)]
         for work in works:
             work.wait()
     elif rank == 1:
@@ -78,12 +70,12 @@ def _exchange(rank, world, on_ddpx):
             src = dist.recv(got)
             results[("any", src)] = got
     else:
-        dist.send(_payload(rank, world - 1, 33), world - 1)
+        dist.send(payload(rank, world - 1, 33), world - 1)
     dist.barrier()
     if on_ddpx:
         # Strided tensors on either end: gloo takes contiguous ones only.
         if rank == 0:
-            dist.send(_payload(0, 1, 600).view(20, 30).t(), 1)
+            dist.send(payload(0, 1, 600).view(20, 30).t(), 1)
         elif rank == 1:
             got = torch.empty(20, 30).t()
             dist.recv(got, 0)
@@ -104,18 +96,18 @@ def test_point_to_point_moves_what_gloo_moves(world, rank_pool):
                 assert value.dtype == mine[key].dtype and torch.equal(value, mine[key]), key
         prv = (rank - 1) % world
         for dtype in (torch.bfloat16, torch.float64, torch.int64, torch.bool, torch.complex64):
-            assert torch.equal(mine[("ring", str(dtype))], _payload(prv, rank, 3001, dtype))
+            assert torch.equal(mine[("ring", str(dtype))], payload(prv, rank, 3001, dtype))
         for peer in range(world):
             if peer != rank:
-                assert torch.equal(mine[("batch", peer)], _payload(peer, rank, LARGE)), peer
+                assert torch.equal(mine[("batch", peer)], payload(peer, rank, LARGE)), peer
         if rank == 1:
             first, second = mine["tags"]
-            assert torch.equal(first, _payload(0, 1, LARGE, tag=1))
-            assert torch.equal(second, _payload(0, 1, 5, tag=2))
-            assert torch.equal(mine["strided"], _payload(0, 1, 600).view(20, 30).t())
+            assert torch.equal(first, payload(0, 1, LARGE, tag=1))
+            assert torch.equal(second, payload(0, 1, 5, tag=2))
+            assert torch.equal(mine["strided"], payload(0, 1, 600).view(20, 30).t())
         if rank == world - 1:
             for src in range(world - 1):
-                assert torch.equal(mine[("any", src)], _payload(src, rank, 33)), src
+                assert torch.equal(mine[("any", src)], payload(src, rank, 33)), src
         routes = mine["routes"]
         assert routes["send"]["gloo"] == 0 and routes["recv"]["gloo"] == 0, routes
         assert routes["send"]["engine"] > 0 and routes["recv"]["engine"] > 0, routes
@@ -131,12 +123,12 @@ def _send_during_a_collective(rank, world):
     got = torch.empty(70_000)
     if rank == 0:
         pending = dist.all_reduce(total, async_op=True)
-        dist.send(_payload(0, 1, 70_000), 1)
+        dist.send(payload(0, 1, 70_000), 1)
         pending.wait()
     else:
         dist.recv(got, 0)
         dist.all_reduce(total)
-        assert torch.equal(got, _payload(0, 1, 70_000))
+        assert torch.equal(got, payload(0, 1, 70_000))
     return total
 
 
@@ -158,10 +150,10 @@ def _wrong_size_then_usable(rank, world):
         except RuntimeError as e:
             error = str(e)
     got = torch.empty(LARGE)
-    works = [dist.isend(_payload(rank, 1 - rank, LARGE), 1 - rank), dist.irecv(got, 1 - rank)]
+    works = [dist.isend(payload(rank, 1 - rank, LARGE), 1 - rank), dist.irecv(got, 1 - rank)]
     for work in works:
         work.wait()
-    return error, torch.equal(got, _payload(1 - rank, rank, LARGE))
+    return error, torch.equal(got, payload(1 - rank, rank, LARGE))
 
 
 def test_a_recv_of_the_wrong_size_raises_and_the_pair_goes_on(rank_pool):
@@ -186,10 +178,10 @@ def _unanswered_then_usable(rank, world):
         time.sleep(3)  # not in the barrier meanwhile: it would time out too
     dist.barrier()
     got = torch.empty(10)
-    works = [dist.isend(_payload(rank, 1 - rank, 10), 1 - rank), dist.irecv(got, 1 - rank)]
+    works = [dist.isend(payload(rank, 1 - rank, 10), 1 - rank), dist.irecv(got, 1 - rank)]
     for work in works:
         work.wait()
-    return error, took, torch.equal(got, _payload(1 - rank, rank, 10))
+    return error, took, torch.equal(got, payload(1 - rank, rank, 10))
 
 
 def test_a_recv_nobody_answers_times_out_and_the_group_goes_on(rank_pool):
