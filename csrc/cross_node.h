@@ -32,8 +32,9 @@ class CrossNode {
   // Byte moves between the nodes, for the collectives other than the all-reduce; each throws on
   // failure. Trades run while the caller works: start_all_gather puts every node's `bytes` of in
   // into out (nodes() x bytes, node order); start_all_to_all sends part n of in (nodes() parts
-  // of `bytes`) to node n, and part n of out comes from it; finish_trade waits for the oldest
-  // trade still running and fills its out. broadcast: node root's data lands in every node's.
+  // of `bytes`) to node n, and part n of out comes from it, but for this node's own part, which
+  // it neither sends nor writes; finish_trade waits for the oldest trade still running and fills
+  // its out. broadcast: node root's data lands in every node's.
   virtual void start_all_gather(const void* in, size_t bytes, void* out) = 0;
   virtual void start_all_to_all(const void* in, size_t bytes, void* out) = 0;
   virtual void finish_trade() = 0;
@@ -48,7 +49,8 @@ class CrossNode {
 };
 
 // How much of a message crosses per trade: one large gloo transfer fills only about half a shaped
-// link, several under way at once keep it full. A quarter of the message, 64 KiB to 1 MiB.
+// link, several under way at once keep it full, and the node works on each piece while the link
+// carries the others. A sixteenth of the message, 64 KiB to 4 MiB.
 size_t cross_piece_bytes(size_t bytes);
 
 // The link over process groups: `groups` holds a dealing and a gathering group per lane, in turn,

@@ -123,12 +123,14 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
     });
   }
   const void* from_nodes[kMaxSources];
+  const int here = cross_node_->node();
   for (int64_t lo = 0; lo < count; lo += piece) {
     const int64_t n = std::min(piece, count - lo);
     across("transfer", what, [&] { cross_node_->finish_trade(); });
-    const char* piece_received = received + size_t(lo) * acc_size * size_t(nodes);
+    const size_t at = size_t(lo) * acc_size * size_t(nodes);
     for (int node = 0; node < nodes; ++node) {
-      from_nodes[node] = piece_received + size_t(node) * size_t(n) * acc_size;
+      from_nodes[node] =
+          (node == here ? sums : received) + at + size_t(node) * size_t(n) * acc_size;
     }
     kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
                      Store::Cached);
@@ -137,8 +139,8 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
 
 // Each piece of the parts (cross_piece_bytes) goes through the node once per destination node:
 // local rank r collects from every local rank its part for rank r of node m, and those parts,
-// side by side, are its lane's message to node m. The lanes trade each piece as soon as the node
-// has collected it.
+// side by side, are its lane's message to node m; for its own node, they are its outputs. The
+// lanes trade each piece as soon as the node has collected it.
 void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* outs, size_t bytes,
                                          int32_t torch_dtype, const std::string& what) {
   begin_call();
@@ -150,6 +152,7 @@ void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* ou
   // so does what comes back.
   char* dealt = lane_buffer(2 * nodes * ranks * bytes);
   char* received = dealt + nodes * ranks * bytes;
+  const size_t here = size_t(cross_node_->node());
   std::vector<const void*> node_ins(ranks);
   std::vector<void*> node_outs(ranks);
   for (size_t lo = 0; lo == 0 || lo < bytes; lo += piece) {
@@ -159,7 +162,8 @@ void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* ou
     for (size_t node = 0; node < nodes; ++node) {
       for (size_t r = 0; r < ranks; ++r) {
         node_ins[r] = static_cast<const char*>(ins[node_ranks_[node * ranks + r]]) + lo;
-        node_outs[r] = piece_dealt + (node * ranks + r) * n;
+        node_outs[r] = node == here ? static_cast<char*>(outs[node_ranks_[here * ranks + r]]) + lo
+                                    : piece_dealt + (node * ranks + r) * n;
       }
       alltoall_in_node(mine, lo == 0 && node == 0, node_ins.data(), sizes.data(), node_outs.data(),
                        sizes.data(), n, what);
@@ -175,6 +179,7 @@ void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* ou
     across("transfer", what, [&] { cross_node_->finish_trade(); });
     const char* piece_received = received + lo * nodes * ranks;
     for (size_t node = 0; node < nodes; ++node) {
+      if (node == here) continue;
       for (size_t r = 0; r < ranks; ++r) {
         kernels().copy(static_cast<char*>(outs[node_ranks_[node * ranks + r]]) + lo,
                        piece_received + (node * ranks + r) * n, n, Store::Cached);
