@@ -50,7 +50,8 @@ class CrossNode {
 
 // How much of a message crosses per trade: one large gloo transfer fills only about half a shaped
 // link, several under way at once keep it full, and the node works on each piece while the link
-// carries the others. A sixteenth of the message, 64 KiB to 4 MiB.
+// carries the others. A quarter of the message (at least 64 KiB) up to 1 MiB, a sixteenth (at
+// most 4 MiB) from 4 MiB, 256 KiB between.
 size_t cross_piece_bytes(size_t bytes);
 
 // The link over process groups: `groups` holds a dealing and a gathering group per lane, in turn,
