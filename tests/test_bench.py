@@ -157,7 +157,7 @@ def test_allreduce(tmp_path):
 
 def test_collectives(tmp_path):
     collectives = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
-                   "all_gather", "reduce_scatter", "barrier", "send_recv"]
+                   "all_gather", "reduce_scatter", "barrier", "send_recv", "gather", "scatter"]
     sizes = [4096, 64 * 1024]
     options = "--sizes 4K,64K --iters 2 --min_time 0.02 --warmup 1".split()
     document, stdout = run_bench(tmp_path, "collectives", *options,
@@ -182,7 +182,8 @@ def test_collectives(tmp_path):
             assert row["check"] == "barrier" and row["output_bytes"] is None
         else:
             expected_output = {"all_gather_into_tensor": 2 * size, "all_gather": 2 * size,
-                               "reduce_scatter_tensor": size // 2, "reduce_scatter": size // 2}
+                               "reduce_scatter_tensor": size // 2, "reduce_scatter": size // 2,
+                               "gather": 2 * size, "scatter": size // 2}
             assert row["output_bytes"] == expected_output.get(collective, size)
             assert 0 <= row["max_abs_error"] <= row["tolerance"]
             if row["check"] == "exact":
@@ -384,6 +385,8 @@ def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
     # 2 ranks a node, each sending half its input to the other node's ranks.
     assert bytes_across(row("all_to_all")) == size
     assert bytes_across(row("all_to_all_single", nodes=3, world_size=6)) == 4 * size // 3
+    assert bytes_across(row("gather")) == 2 * size  # the other node's 2 inputs to rank 0
+    assert bytes_across(row("scatter")) == size // 2  # rank 0's parts for the other node
     assert bytes_across(row("send_recv")) is None
     assert bytes_across(row("all_reduce", nodes=1, world_size=2)) is None
     assert bytes_across({**row("barrier"), "size_bytes": None}) is None

@@ -19,7 +19,8 @@ every rank's input of `size` bytes, an output of world size x size), `reduce_sca
 out where the input does not split evenly), `broadcast` (from rank 0), `barrier` (no data: one
 cell per world size), `all_to_all_single` and `all_to_all`, and `send_recv` (each rank isends its
 input to the next rank and irecvs the previous rank's, as a pipeline's stages do; on 2 ranks an
-exchange). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
+exchange), `gather` (every rank's input to rank 0) and `scatter` (rank 0's input in world size
+parts, one to each rank). The default is all_reduce,all_gather_into_tensor,reduce_scatter_tensor,
 broadcast. all_gather_into_tensor and reduce_scatter_tensor are called as all_gather_single and
 reduce_scatter_single where torch has those (the same calls, without a deprecation warning). In
 each cell (world size, collective, size), as for allreduce:
@@ -82,6 +83,8 @@ COLLECTIVES = (
     "all_to_all_single",
     "all_to_all",
     "send_recv",
+    "gather",
+    "scatter",
 )
 DEFAULT_COLLECTIVES = COLLECTIVES[:4]
 # ddpx's own all-reduce, beside torch.distributed.all_reduce on ddpx's group.
@@ -90,7 +93,7 @@ FUSED = "ddpx.all_reduce"
 # others' are copies of the inputs (checked for exact equality).
 SUMS = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter")
 # The collectives that split each rank's input into one part per rank.
-SPLIT = ("reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all")
+SPLIT = ("reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "all_to_all", "scatter")
 # How long the last rank waits before it enters the barrier that is checked: no rank may leave it
 # before.
 BARRIER_DELAY_S = 0.01
@@ -201,6 +204,20 @@ def _call(collective: str, engine: str, group, numel: int):
             for work in works:
                 work.wait()
             return output
+    elif collective == "gather":
+        outputs = [torch.empty(numel) for _ in range(world_size)]
+        root = dist.get_rank() == 0
+
+        def call(tensor):
+            dist.gather(tensor, outputs if root else None, dst=0, group=group)
+            return outputs if root else tensor
+    elif collective == "scatter":
+        output, chunks = torch.empty(numel // world_size), _Chunks(world_size)
+        root = dist.get_rank() == 0
+
+        def call(tensor):
+            dist.scatter(output, chunks(tensor) if root else None, src=0, group=group)
+            return output
     elif collective == "barrier":
         def call(tensor):
             dist.barrier(group=group)
@@ -236,6 +253,8 @@ def _bench_cell(collective: str, size: int | None, engines: dict, backend, args,
         "all_gather": world_size * numel * 4,
         "reduce_scatter_tensor": numel // world_size * 4,
         "reduce_scatter": numel // world_size * 4,
+        "gather": world_size * numel * 4,  # rank 0's
+        "scatter": numel // world_size * 4,
         "barrier": None,
     }.get(collective, size)
     rows = []
@@ -288,6 +307,13 @@ def _check_engines(collective: str, size: int | None, calls: dict, seed: int,
         tolerance = 0.0
     elif collective == "send_recv":
         expected = inputs[(rank - 1) % world_size].double()
+        tolerance = 0.0
+    elif collective == "gather":
+        # Every input reaches rank 0; the others' stay as they were.
+        expected = (torch.cat(inputs) if rank == 0 else inputs[rank]).double()
+        tolerance = 0.0
+    elif collective == "scatter":
+        expected = inputs[0].chunk(world_size)[rank].double()
         tolerance = 0.0
     else:
         gathered = collective.startswith("all_gather")
@@ -363,8 +389,9 @@ def bytes_across(row: dict) -> int | None:
     nodes (L ranks each), at the least: an all-reduce 2(N-1)/N of the input; an all-gather the
     other nodes' (N-1)L inputs; a reduce-scatter the node's sums of the parts of the other nodes'
     ranks, (N-1)/N of the input; a broadcast the input once; an all-to-all the parts of the
-    node's L ranks for the other nodes' ranks, (N-1)/N of each input. None where no bytes bound
-    it."""
+    node's L ranks for the other nodes' ranks, (N-1)/N of each input; a gather the other nodes'
+    (N-1)L inputs into rank 0's node; a scatter (N-1)/N of rank 0's input out of its node. None
+    where no bytes bound it."""
     size, nodes = row["size_bytes"], row["nodes"]
     if size is None or nodes < 2:
         return None
@@ -378,6 +405,8 @@ def bytes_across(row: dict) -> int | None:
         "broadcast": size,
         "all_to_all_single": ranks * (nodes - 1) * size // nodes,
         "all_to_all": ranks * (nodes - 1) * size // nodes,
+        "gather": (nodes - 1) * ranks * size,
+        "scatter": (nodes - 1) * size // nodes,
     }.get(row["collective"])
 
 
@@ -423,7 +452,8 @@ def _collectives_table(rows: list[dict]) -> list[str]:
         "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
         "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
         "from rank 0; barrier: no data; send_recv: each rank sends its input to the next rank and "
-        "receives the previous rank's",
+        "receives the previous rank's; gather: every input to rank 0; scatter: rank 0's input, "
+        "size / world to each rank",
         *(LINK_LEGEND if linked else []),
         "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
         "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
