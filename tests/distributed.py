@@ -154,25 +154,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_nodes(source: str, tmp_path) -> list[dict]:
-    """Runs the job ``source`` as two nodes of 2 ranks, one torchrun each on this machine (its
-    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order."""
+def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
+    """Runs the job ``source`` as ``nodes`` nodes of 2 ranks, one torchrun each on this machine
+    (its argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank
+    order."""
     script = tmp_path / "job.py"
     script.write_text(source)
     port = free_port()
-    nodes = [subprocess.Popen(
-        [TORCHRUN, "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+    launches = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", str(nodes), "--node_rank", str(node), "--nproc_per_node", "2",
          "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
-        for node in (0, 1)]
+        for node in range(nodes)]
     try:
-        logs = [node.communicate(timeout=180)[0] for node in nodes]
+        logs = [launch.communicate(timeout=180)[0] for launch in launches]
     finally:
-        for node in nodes:
-            kill_job(node, str(tmp_path))
-    assert all(node.returncode == 0 for node in nodes), "\n".join(logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+        for launch in launches:
+            kill_job(launch, str(tmp_path))
+    assert all(launch.returncode == 0 for launch in launches), "\n".join(logs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
 
 
 def _segments_of(pids) -> set[str]:

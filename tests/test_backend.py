@@ -36,7 +36,7 @@ from torch import nn
 
 from ddpx import backend_of
 
-from distributed import run_ranks, run_two_nodes, shm_segments, train_small_ddp
+from distributed import run_nodes, run_ranks, shm_segments, train_small_ddp
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.int32, torch.uint8]
@@ -1222,16 +1222,44 @@ def multinode_body(rank, world):
             "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
 
 
-MULTINODE_JOB = textwrap.dedent(f'''
+def three_node_body(rank, world):
+    """Between 3 nodes the pieces cross as all-to-alls (between 2, as all-gathers) and each node
+    keeps its own part: the all-to-all of equal parts and the reduce-scatter, in one piece and in
+    several, on the engine."""
+    with collecting() as failures:
+        routes = Routes()
+        for n in (3, 300_001):
+            parts = [make(rank, (n,), torch.bfloat16, f"3n-a2a-{q}") for q in range(world)]
+            out = torch.empty(world * n, dtype=torch.bfloat16)
+            dist.all_to_all_single(out, torch.cat(parts))
+            expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"3n-a2a-{rank}")
+                                         for q in range(world)]), f"all_to_all_single of {n}")
+            # +-{1/2, 1, 2}: every float32 sum of 6 is exact, so is any order of adding them.
+            full = [make(r, (world * n,), torch.float32, "3n-rs", kind="pow2")
+                    for r in range(world)]
+            mine = torch.empty(n)
+            dist.reduce_scatter_tensor(mine, full[rank])
+            expect_equal(mine, torch.stack(full).sum(0)[rank * n:(rank + 1) * n],
+                         f"reduce_scatter_tensor of {n}")
+        served = routes.served()
+        check(served == {"all_to_all_single": (2, 0), "reduce_scatter_tensor": (2, 0)},
+              f"routes {served}")
+    return {"describe": backend_of().describe(), "failures": failures}
+
+
+def nodes_job(body: str) -> str:
+    """A job for run_nodes: the world on ddpx's backend, then ``body``(rank, world) of this file,
+    whose result each rank writes."""
+    return textwrap.dedent(f'''
     import gc, json, os, sys
     sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
     import torch.distributed as dist
     import ddpx  # registers the backend
 
     dist.init_process_group("ddpx")
-    from test_backend import multinode_body
+    from test_backend import {body}
 
-    out = multinode_body(dist.get_rank(), dist.get_world_size())
+    out = {body}(dist.get_rank(), dist.get_world_size())
     with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
         json.dump(out, f)
     gc.collect()
@@ -1241,7 +1269,7 @@ MULTINODE_JOB = textwrap.dedent(f'''
 
 def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     segments = shm_segments()
-    results = run_two_nodes(MULTINODE_JOB, tmp_path)
+    results = run_nodes(nodes_job("multinode_body"), tmp_path)
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
     failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
     assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
@@ -1249,6 +1277,15 @@ def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
         assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
         assert "point-to-point go to gloo" in result["describe"], result["describe"]
         assert result["prints"] == results[0]["prints"], f"rank {rank} holds other bits"
+    assert shm_segments() <= segments
+
+
+def test_three_nodes_trade_all_to_all_and_reduce_scatter_on_the_engine(tmp_path):
+    segments = shm_segments()
+    results = run_nodes(nodes_job("three_node_body"), tmp_path, nodes=3)
+    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
+    assert all("hierarchical across 3 nodes" in r["describe"] for r in results), results[0]
     assert shm_segments() <= segments
 
 

@@ -9,7 +9,7 @@ import textwrap
 
 import torch
 
-from distributed import run_ranks, run_two_nodes, shm_segments, train_small_ddp
+from distributed import run_nodes, run_ranks, shm_segments, train_small_ddp
 
 JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
     import gc, json, os, sys
@@ -63,7 +63,7 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
 
 def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
     segments = shm_segments()
-    results = run_two_nodes(JOB, tmp_path)
+    results = run_nodes(JOB, tmp_path)
 
     for result in results:
         assert "2 local ranks" in result["path"], result["path"]
