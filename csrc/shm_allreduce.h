@@ -203,7 +203,7 @@ class ShmAllreduce {
   void across(const char* kind, const std::string& what, const std::function<void()>& transfer);
   char* lane_buffer(size_t bytes);
   CallMeta local_call(Collective op, int64_t numel, int32_t dtype, double scale, int root,
-                      const std::string& what);
+                      const std::string& what, int32_t torch_dtype = -1);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
   // Checks a call's first step against the peers' and, across nodes, starts its trade with the
@@ -231,8 +231,9 @@ class ShmAllreduce {
   // The schedule of an all-reduce of this many bytes in the wire dtype; timed: its class, or -1.
   Schedule schedule_for(size_t bytes, int timed) const;
   // A call's description, with local rank 0's choice of schedules for the calls after it.
+  // torch_dtype: the tensors' c10::ScalarType where the collective moves bytes.
   CallMeta call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
-                     int root);
+                     int root, int32_t torch_dtype = -1);
   // Every rank reads local rank 0's choice after a call's first step, whatever the call.
   void agree_on_schedules(uint64_t first_step);
   // Local rank 0 only: counts a call's time and chooses its class's schedule for the calls after.

@@ -10,13 +10,13 @@
 namespace ddpx {
 
 CallMeta ShmAllreduce::local_call(Collective op, int64_t numel, int32_t dtype, double scale,
-                                  int root, const std::string& what) {
+                                  int root, const std::string& what, int32_t torch_dtype) {
   begin_call();
   TORCH_CHECK_VALUE(!cross_node_, "ddpx: ", what,
                     " spans nodes; the shared-memory engine all-reduces, all-gathers, "
                     "broadcasts, reduce-scatters and trades equal parts across nodes, the other "
                     "collectives stay on one");
-  return call_meta(op, numel, dtype, dtype, scale, root);
+  return call_meta(op, numel, dtype, dtype, scale, root, torch_dtype);
 }
 
 uint64_t ShmAllreduce::exchange(const CallMeta& mine, bool first,
@@ -39,8 +39,8 @@ void ShmAllreduce::allgather(const void* in, size_t bytes, int32_t torch_dtype, 
     allgather_across_nodes(in, bytes, torch_dtype, outs, what);
     return;
   }
-  CallMeta mine = local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what);
-  mine.torch_dtype = torch_dtype;
+  const CallMeta mine =
+      local_call(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what, torch_dtype);
   const Store store =
       bytes * size_t(channel_.size()) >= kStreamBytes ? Store::Streaming : Store::Cached;
   allgather_in_node(
@@ -78,8 +78,8 @@ void ShmAllreduce::broadcast(void* data, size_t bytes, int32_t torch_dtype, int 
     broadcast_across_nodes(data, bytes, torch_dtype, root, what);
     return;
   }
-  CallMeta mine = local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what);
-  mine.torch_dtype = torch_dtype;
+  const CallMeta mine =
+      local_call(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what, torch_dtype);
   broadcast_in_node(mine, true, data, bytes, root, what);
 }
 
@@ -171,8 +171,8 @@ void ShmAllreduce::alltoall(const void* const* ins, const size_t* sends, void* c
     alltoall_across_nodes(ins, outs, longest, torch_dtype, what);
     return;
   }
-  CallMeta mine = local_call(Collective::AllToAll, int64_t(longest), -1, 1.0, 0, what);
-  mine.torch_dtype = torch_dtype;
+  const CallMeta mine =
+      local_call(Collective::AllToAll, int64_t(longest), -1, 1.0, 0, what, torch_dtype);
   alltoall_in_node(mine, true, ins, sends, outs, receives, longest, what);
 }
 

@@ -22,8 +22,7 @@ CallMeta ShmAllreduce::checked_across_nodes(Collective op, int64_t numel, int32_
                                             int32_t wire, double scale, int root,
                                             int32_t torch_dtype, const std::string& what) {
   begin_call();
-  CallMeta mine = call_meta(op, numel, dtype, wire, scale, root);
-  mine.torch_dtype = torch_dtype;
+  const CallMeta mine = call_meta(op, numel, dtype, wire, scale, root, torch_dtype);
   exchange(mine, true, [](char*) {}, what);
   finish_node_check(mine, "", what);
   return mine;
@@ -144,8 +143,8 @@ void ShmAllreduce::reduce_scatter_across_nodes(const void* const* ins, void* out
 void ShmAllreduce::alltoall_across_nodes(const void* const* ins, void* const* outs, size_t bytes,
                                          int32_t torch_dtype, const std::string& what) {
   begin_call();
-  CallMeta mine = call_meta(Collective::AllToAll, int64_t(bytes), -1, -1, 1.0, 0);
-  mine.torch_dtype = torch_dtype;
+  const CallMeta mine =
+      call_meta(Collective::AllToAll, int64_t(bytes), -1, -1, 1.0, 0, torch_dtype);
   const size_t nodes = size_t(cross_node_->nodes()), ranks = size_t(channel_.size());
   const size_t piece = cross_piece_bytes(bytes);
   // Piece [lo, lo + n) of what crosses lies at nodes x ranks x lo, node by node, rank by rank;

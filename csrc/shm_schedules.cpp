@@ -129,8 +129,8 @@ ShmAllreduce::Schedule ShmAllreduce::schedule_for(size_t bytes, int timed) const
 }
 
 CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire,
-                                 double scale, int root) {
-  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_};
+                                 double scale, int root, int32_t torch_dtype) {
+  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_, torch_dtype};
 }
 
 void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
