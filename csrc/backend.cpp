@@ -5,6 +5,8 @@
 #include <thread>
 #include <utility>
 
+#include "torch_compat.h"
+
 namespace ddpx {
 namespace {
 
@@ -137,7 +139,7 @@ DType wire_for(DType dtype, double scale, bool spans_nodes) {
 double sum_scale(const ReduceOp& op, int world) {
   if (op.op_ == ReduceOp::AVG) return 1.0 / world;
   if (op.op_ != ReduceOp::PREMUL_SUM) return 1.0;
-  const auto* factor = dynamic_cast<const c10d::PreMulSumSupplement*>(op.supplement_.get());
+  const auto* factor = dynamic_cast<const PreMulSumFactor*>(op.supplement_.get());
   TORCH_CHECK(factor, "ddpx: PREMUL_SUM without its factor");
   return factor->tensor_factor.defined() ? factor->tensor_factor.item<double>()
                                          : factor->double_factor;

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <utility>
 
+#include "torch_compat.h"
+
 namespace ddpx {
 
 c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
@@ -16,7 +18,7 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   opts.timeout = timeout;
   if (scale != 1.0 && premul_sum) {
     opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
-    opts.reduceOp.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(scale);
+    opts.reduceOp.supplement_ = c10::make_intrusive<PreMulSumFactor>(scale);
   } else if (scale != 1.0) {
     tensor.mul_(scale);
   }
