@@ -129,8 +129,8 @@ class ProcessGroupCrossNode final : public CrossNode {
     count(int64_t(bytes) * (nodes_ - 1));
   }
 
-  // Between two nodes that is one part each way, which an all-gather of the part for the other
-  // node carries: gloo moved it faster than the same bytes as an all-to-all.
+  // Between two nodes an all-to-all is one part each way, which an all-gather of the part for
+  // the other node carries: gloo moved it faster than the same bytes as an all-to-all.
   void start_all_to_all(const void* in, size_t bytes, void* out) override {
     const int here = node();
     at::Tensor received = bytes_like(bytes * size_t(nodes_));
@@ -155,10 +155,6 @@ class ProcessGroupCrossNode final : public CrossNode {
     link_->watch->await(*trade.work);
     const char* from = static_cast<const char*>(trade.received.data_ptr());
     char* to = static_cast<char*>(trade.out);
-    if (trade.own_part < 0) {
-      std::memcpy(to, from, trade.received.nbytes());
-      return;
-    }
     const size_t part = trade.received.nbytes() / size_t(nodes_);
     for (int node = 0; node < nodes_; ++node) {
       if (node == trade.own_part) continue;
@@ -215,7 +211,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor received;
     void* out;
-    int own_part = -1;  // the part of out, one per node, that the trade leaves as it is
+    int own_part = -1;  // the part of out, one per node, that the trade leaves as it is, if any
   };
   struct Link {
     std::thread thread;
