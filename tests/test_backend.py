@@ -1267,12 +1267,16 @@ def nodes_job(body: str) -> str:
 ''')
 
 
+def assert_no_failed_checks(results: list[dict]) -> None:
+    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
+
+
 def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     segments = shm_segments()
     results = run_nodes(nodes_job("multinode_body"), tmp_path)
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
-    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
-    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
+    assert_no_failed_checks(results)
     for rank, result in enumerate(results):
         assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
         assert "point-to-point go to gloo" in result["describe"], result["describe"]
@@ -1283,8 +1287,7 @@ def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
 def test_three_nodes_trade_all_to_all_and_reduce_scatter_on_the_engine(tmp_path):
     segments = shm_segments()
     results = run_nodes(nodes_job("three_node_body"), tmp_path, nodes=3)
-    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
-    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
+    assert_no_failed_checks(results)
     assert all("hierarchical across 3 nodes" in r["describe"] for r in results), results[0]
     assert shm_segments() <= segments
 
