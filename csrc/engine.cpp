@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <exception>
@@ -12,10 +14,8 @@ namespace ddpx {
 
 c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
                                                          at::Tensor tensor, double scale,
-                                                         bool premul_sum,
-                                                         std::chrono::milliseconds timeout) {
+                                                         bool premul_sum) {
   c10d::AllreduceOptions opts;
-  opts.timeout = timeout;
   if (scale != 1.0 && premul_sum) {
     opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
     opts.reduceOp.supplement_ = c10::make_intrusive<PreMulSumFactor>(scale);
@@ -24,8 +24,29 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   }
   std::vector<at::Tensor> tensors{as_real(tensor)};
   auto work = group.allreduce(tensors, opts);
-  return work->getFuture()->then([tensor](c10::ivalue::Future&) { return c10::IValue(tensor); },
-                                 c10::TensorType::get());
+  auto done = work->getFuture();
+  if (tensor.device().is_cpu() || !done->devices().empty()) {
+    return done->then([tensor](c10::ivalue::Future&) { return c10::IValue(tensor); },
+                      c10::TensorType::get());
+  }
+  // gloo reduces CUDA tensors in host memory and copies the sum back on a stream of its own; its
+  // future knows no device, so a wait on it would not order the caller's stream after that copy.
+  // This future's completion is an event on the caller's stream, recorded once that stream waits
+  // for the copy (Work::synchronize).
+  auto result = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(),
+                                                         std::vector<c10::Device>{tensor.device()});
+  const c10::impl::VirtualGuardImpl guard_impl(tensor.device().type());
+  const c10::Stream caller = guard_impl.getStream(tensor.device());
+  done->addCallback([work, result, tensor, caller](c10::ivalue::Future& finished) {
+    if (finished.hasError()) {
+      result->setError(finished.exception_ptr());
+      return;
+    }
+    const c10::StreamGuard on_caller(caller);
+    work->synchronize();
+    result->markCompleted(c10::IValue(tensor));
+  });
+  return result;
 }
 
 ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node,

@@ -8,7 +8,6 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -27,10 +26,11 @@ namespace ddpx {
 
 // The group's all-reduce of tensor with every rank's input scaled by `scale` (inside the
 // reduction as a premultiplied sum with premul_sum, which NCCL has; else by a multiplication
-// first). The future holds tensor.
-c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(
-    c10d::ProcessGroup& group, at::Tensor tensor, double scale, bool premul_sum,
-    std::chrono::milliseconds timeout = c10d::kUnsetTimeout);
+// first). The future holds tensor; for a CUDA tensor it is a CUDA future (on every backend), so
+// that waiting for it orders the waiter's stream after the sum.
+c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
+                                                         at::Tensor tensor, double scale,
+                                                         bool premul_sum);
 
 class Engine {
  public:

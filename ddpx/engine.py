@@ -90,11 +90,23 @@ def resolve_group(group):
     return group
 
 
-def _group_timeout(group) -> timedelta:
+def _group_timeout(group, device: str = "cpu") -> timedelta:
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return group._get_backend(torch.device(device)).options._timeout
     except (AttributeError, RuntimeError):
         return dist.distributed_c10d.default_pg_timeout
+
+
+def group_with_timeout(group, device: str, timeout: timedelta | None):
+    """``group``, or where ``timeout`` is not its own, a group of the same ranks on the same
+    backend for ``device`` tensors made with that timeout (collectively, by the group's ranks
+    alone). NCCL reads no per-call timeout (its watchdog bounds each collective by the group's),
+    nor does gloo's all-to-all: a timeout of the engine's own is its group's."""
+    if timeout is None or timeout == _group_timeout(group, device):
+        return group
+    backend = group._get_backend(torch.device(device)).name()
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend=backend,
+                          use_local_synchronization=True)
 
 
 def _host_identity() -> str:
@@ -330,7 +342,7 @@ def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None
             by_device[device] = _create_engine(group, timeout)
         elif device == "cuda" and extension().has_cuda_kernels:
             by_device[device] = extension().make_cuda_engine(
-                group, timeout.total_seconds() if timeout is not None else None)
+                group_with_timeout(group, device, timeout))
         else:
             by_device[device] = extension().make_process_group_engine(
                 group, f"{device} tensors go through the process group's all-reduce")

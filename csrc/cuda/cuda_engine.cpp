@@ -5,15 +5,23 @@
 //   -> sum_slices (each rank sums its slice of every rank in float32, rounds once)
 //   -> all-gather of the sums -> scale_cast with scale 1 (staged -> bucket),
 // the same bytes on the wire as torch's bf16_compress_hook with one rounding of the sum instead of
-// world_size - 1. Kernels and collectives are ordered on the current stream; the host never waits.
+// world_size - 1. That chain runs on a side stream of the engine's, after the work queued on the
+// caller's stream, so that backward goes on computing the next buckets' gradients meanwhile; the
+// future's completion is an event on the side stream, which DDP's wait (at the end of backward)
+// makes its stream wait for. The host never waits on NCCL. The group's own timeout bounds each
+// collective (ddpx/engine.py gives the engine a group of its own for another timeout): NCCL
+// reads no per-call timeout.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <chrono>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 #include "../engine.h"
 #include "../torch_compat.h"
@@ -51,9 +59,8 @@ cuda::WireType kernel_type(const at::Tensor& t, const char* name) {
 
 class CudaEngine final : public Engine {
  public:
-  CudaEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+  explicit CudaEngine(c10::intrusive_ptr<c10d::ProcessGroup> group)
       : group_(std::move(group)),
-        timeout_(timeout),
         backend_(group_->getBackend(c10::DeviceType::CUDA)->getBackendName()) {}
 
   FuturePtr run_async(at::Tensor tensor, Request request) override {
@@ -63,7 +70,7 @@ class CudaEngine final : public Engine {
     const c10::cuda::CUDAGuard device(tensor.device());
     if (tensor.numel() == 0) return completed(tensor);
     if (wire == at::kFloat || wire == at::kDouble) {
-      return scaled_allreduce(*group_, tensor, request.scale, backend_ == "nccl", timeout_);
+      return scaled_allreduce(*group_, tensor, request.scale, backend_ == "nccl");
     }
     return allreduce_compressed(tensor, wire, request.scale);
   }
@@ -76,7 +83,8 @@ class CudaEngine final : public Engine {
   std::string describe() const override {
     return "ddpx CUDA engine (" + backend_ +
            "): " + (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
-           " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather";
+           " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather, "
+           "on a side stream";
   }
 
  private:
@@ -88,6 +96,15 @@ class CudaEngine final : public Engine {
     return future;
   }
 
+  c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+    const std::lock_guard<std::mutex> lock(streams_mu_);
+    auto found = side_streams_.find(device);
+    if (found == side_streams_.end()) {
+      found = side_streams_.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+    }
+    return found->second;
+  }
+
   FuturePtr allreduce_compressed(at::Tensor tensor, at::ScalarType wire, double scale) {
     const at::Tensor values = as_real(tensor);
     const int64_t world = group_->getSize();
@@ -96,35 +113,46 @@ class CudaEngine final : public Engine {
     const int64_t slice = (n + world * kSliceAlign - 1) / (world * kSliceAlign) * kSliceAlign;
     const cuda::WireType bucket_type = *wire_type(values.scalar_type());
     const cuda::WireType wire_t = *wire_type(wire);
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-    // Both buffers come from the caching allocator on the current stream; the waits below put
-    // every later use of them on that stream, so they are freed safely when this returns.
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(values.get_device());
+    const c10::cuda::CUDAStream side = side_stream(values.get_device());
+    at::cuda::CUDAEvent ready;
+    ready.record(caller);
+    ready.block(side);
+    // The bucket is the caller's memory, now used on the side stream too: the caching allocator
+    // must not hand it out again before the side stream is done with it.
+    c10::cuda::CUDACachingAllocator::recordStream(values.storage().data_ptr(), side);
+
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    // Allocated on the side stream, where every later use of them is ordered (the waits below
+    // put the collectives' ends there), so they are freed safely when this returns.
     at::Tensor staged = at::empty({slice * world}, values.options().dtype(wire));
     at::Tensor exchanged = at::empty_like(staged);
     C10_CUDA_CHECK(cuda::scale_cast(staged.data_ptr(), wire_t, values.data_ptr(), bucket_type, n,
-                                    float(scale), stream));
+                                    float(scale), side));
     // The padding travels and is summed like the data, then dropped; zeroed so that nothing
     // reads uninitialized memory.
     staged.narrow(0, n, slice * world - n).zero_();
-    // wait() makes the current stream wait for the collective; it does not block the host.
-    all_to_all(*group_, exchanged, staged, timeout_)->wait();
+    // Over NCCL, wait() makes the side stream wait for the collective; the host goes on. gloo
+    // carries CUDA tensors through host memory and its wait() holds the host too.
+    all_to_all(*group_, exchanged, staged)->wait();
 
     // exchanged holds this rank's slice from every rank, in rank order; the sum goes where
     // this rank's slice sits in staged, and the all-gather fills in the others' in place.
     at::Tensor mine = staged.narrow(0, me * slice, slice);
-    C10_CUDA_CHECK(cuda::sum_slices(mine.data_ptr(), exchanged.data_ptr(), wire_t, world, slice,
-                                    slice, stream));
-    all_gather(*group_, staged, mine, timeout_)->wait();
+    C10_CUDA_CHECK(
+        cuda::sum_slices(mine.data_ptr(), exchanged.data_ptr(), wire_t, world, slice, slice, side));
+    all_gather(*group_, staged, mine)->wait();
 
-    C10_CUDA_CHECK(cuda::scale_cast(values.data_ptr(), bucket_type, staged.data_ptr(), wire_t, n,
-                                    1.0f, stream));
-    return completed(tensor);
+    C10_CUDA_CHECK(
+        cuda::scale_cast(values.data_ptr(), bucket_type, staged.data_ptr(), wire_t, n, 1.0f, side));
+    return completed(tensor);  // its event is on the side stream, the current one here
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  std::chrono::milliseconds timeout_;
   std::string backend_;
+  std::mutex streams_mu_;
+  std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> side_streams_;
 };
 
 }  // namespace
@@ -132,12 +160,10 @@ class CudaEngine final : public Engine {
 void bind_cuda(py::module& m) {
   m.def(
       "make_cuda_engine",
-      [](c10::intrusive_ptr<c10d::ProcessGroup> group, std::optional<double> timeout_s) {
-        const auto timeout = timeout_s ? std::chrono::milliseconds(int64_t(*timeout_s * 1000.0))
-                                       : c10d::kUnsetTimeout;
-        return std::shared_ptr<Engine>(std::make_shared<CudaEngine>(std::move(group), timeout));
+      [](c10::intrusive_ptr<c10d::ProcessGroup> group) {
+        return std::shared_ptr<Engine>(std::make_shared<CudaEngine>(std::move(group)));
       },
-      py::arg("group"), py::arg("timeout_s") = py::none());
+      py::arg("group"));
 
   // The kernels alone, on the current stream, for the tests that hold them against torch.
   m.def(
