@@ -5,7 +5,9 @@ the same contract, so the bodies run without a GPU too. On a GPU (tools/gpu_chec
 file there) the kernels also run past 2^31 elements and on a side stream, and the fused hook and
 ddpx.all_reduce reduce CUDA tensors over NCCL on 1 GPU (on 2 if there are), and over gloo with 2
 and 3 ranks sharing one GPU, which NCCL refuses: every multi-rank step of the CUDA engine but
-NCCL's own collectives between ranks."""
+NCCL's own collectives between ranks. DDP's options, bf16/fp16 buckets (over a wire of the other
+16-bit type too) and backward on a side stream run on the CPU's engine here and on the GPU's there,
+with one body; so does the engine's own group for a timeout other than its group's."""
 
 import copy
 import os
@@ -607,3 +609,196 @@ def test_hook_averages_cuda_buckets(hook_runs, backend, world, compression, pyth
             bound = ((u * (magnitude + got.double().abs()) + 2 * world * u32 * magnitude)
                      * (1 + 2 * u) + (world + 1) * _half_subnormal_step(wire))
             _assert_within(got, want.double(), bound)
+
+
+# DDP as users configure it, each case a dict of: DDP's options, the parameters' dtype, the
+# wire, micro-steps accumulated under no_sync, an unused parameter, backward on a side stream.
+DDP_CASES = {
+    "bucket views": {"options": {"gradient_as_bucket_view": True}},
+    "static graph": {"options": {"static_graph": True}},
+    "unused parameter": {"options": {"find_unused_parameters": True}, "unused": True},
+    "no_sync": {"accumulate": 2},
+    "bf16 buckets": {"dtype": torch.bfloat16},
+    "fp16 buckets": {"dtype": torch.float16},
+    "bf16 buckets, fp16 wire": {"dtype": torch.bfloat16, "compression": "fp16"},
+    "fp16 buckets, bf16 wire": {"dtype": torch.float16, "compression": "bf16"},
+    "backward on a side stream": {"side_stream": True},
+}
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(67, 33), torch.nn.ReLU(),
+                                        torch.nn.Linear(33, 5))
+        self.unused = torch.nn.Linear(5, 5) if unused else None
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _ddp_case(device: torch.device, case: dict) -> dict:
+    """Two steps of one net under DDP with ddpx's hook, under DDP with its default all-reduce
+    (float32 cases) and without DDP (this rank's own gradients): each step's gradients of each,
+    None for a parameter without one."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ddpx
+
+    dtype = case.get("dtype", torch.float32)
+    torch.manual_seed(0)
+    net = _TwoLayers(case.get("unused", False)).to(device, dtype)
+    device_ids = [device.index] if device.type == "cuda" else None
+    models = {"local": copy.deepcopy(net)}
+    if dtype == torch.float32:
+        models["default"] = DistributedDataParallel(copy.deepcopy(net), device_ids=device_ids,
+                                                    **case.get("options", {}))
+    models["ddpx"] = DistributedDataParallel(net, device_ids=device_ids, bucket_cap_mb=0.004,
+                                             **case.get("options", {}))
+    ddpx.register_fused_hook(models["ddpx"], compression=case.get("compression"))
+    side = torch.cuda.Stream() if case.get("side_stream") else None
+    data = torch.Generator().manual_seed(dist.get_rank())
+    accumulate = case.get("accumulate", 1)
+    steps = []
+    for _ in range(2):
+        inputs = [torch.randn(16, 67, generator=data).to(device, dtype) for _ in range(accumulate)]
+        for name, model in models.items():
+            model.zero_grad(set_to_none=True)
+            for micro, x in enumerate(inputs):
+                last = micro == accumulate - 1
+                quiet = (model.no_sync() if name != "local" and not last
+                         else contextlib.nullcontext())
+                with quiet, (torch.cuda.stream(side) if side else contextlib.nullcontext()):
+                    model(x).float().square().sum().backward()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        steps.append({name: [None if p.grad is None else p.grad.cpu() for p in model.parameters()]
+                      for name, model in models.items()})
+    return steps
+
+
+def _ddp_cases(rank, world, device_type):
+    if device_type == "cpu":
+        return "ran", {name: _ddp_case(torch.device("cpu"), case)
+                       for name, case in DDP_CASES.items() if not case.get("side_stream")}
+    device = torch.device("cuda", torch.cuda.current_device())
+    return _unless_refused(lambda: {name: _ddp_case(device, case)
+                                    for name, case in DDP_CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def ddp_runs():
+    """run(backend, world, device): every DDP case's results by rank, from one launch."""
+    runs = {}
+
+    def run(backend, world, device):
+        key = backend, world, device
+        if key not in runs:
+            try:
+                runs[key] = run_ranks(_ddp_cases, world, device, backend=backend, timeout=180)
+            except AssertionError as error:
+                runs[key] = error
+        if isinstance(runs[key], AssertionError):
+            pytest.fail(f"the ranks failed:\n{runs[key]}")
+        return _results(runs[key])
+
+    return run
+
+
+DDP_GROUPS = [("gloo", 2, "cpu", [], "gloo-2-cpu"), ("nccl", 1, "cuda", [needs_gpu], "nccl-1"),
+              ("nccl", 2, "cuda", [needs_two_gpus], "nccl-2"),
+              ("gloo", 2, "cuda", [needs_gpu], "gloo-2-on-one-gpu")]
+
+
+@pytest.mark.parametrize(("backend", "world", "device", "case"), [
+    pytest.param(backend, world, device, case, marks=marks, id=f"{case}-{name}")
+    for backend, world, device, marks, name in DDP_GROUPS for case in DDP_CASES
+    if device == "cuda" or not DDP_CASES[case].get("side_stream")])
+def test_ddp_options_and_16_bit_buckets(ddp_runs, backend, world, device, case):
+    """The hook under DDP's options (bucket views, static graph, an unused parameter, no_sync
+    accumulation, backward on a side stream) and on bf16/fp16 parameters, a wire of the other
+    16-bit type too. float32: the bits of DDP's default all-reduce, which scales every rank's
+    bucket by float32(1 / world) and sums as the engine does (one or two terms sum to the same
+    bits in any order). 16-bit buckets: the engine's contract bit for bit, each rank's gradient
+    scaled in float32 and cast to the wire, summed in rank order in float32 and rounded once
+    (on a GPU to the wire, then cast to the bucket's dtype)."""
+    by_rank = [results[case] for results in ddp_runs(backend, world, device)]
+    dtype = DDP_CASES[case].get("dtype", torch.float32)
+    wire = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        DDP_CASES[case].get("compression"), dtype)
+    for step in range(2):
+        grads = by_rank[0][step]["ddpx"]
+        for other in by_rank[1:]:
+            for mine, theirs in zip(grads, other[step]["ddpx"], strict=True):
+                assert (mine is None and theirs is None) or torch.equal(mine, theirs), (
+                    f"{case}: ranks disagree on the averaged gradients")
+        if dtype == torch.float32:
+            for i, (got, want) in enumerate(zip(grads, by_rank[0][step]["default"], strict=True)):
+                assert (got is None) == (want is None), f"{case}: parameter {i}'s gradient"
+                if got is not None:
+                    _assert_same_bits(got.flatten(), want.flatten())
+            continue
+        for i, got in enumerate(grads):
+            own = [steps[step]["local"][i].flatten() for steps in by_rank]
+            sent = torch.stack([(g.float() * (1.0 / world)).to(wire) for g in own])
+            # The CUDA engine all-gathers the sums in the wire dtype; the shared-memory engine
+            # rounds them to the bucket's dtype straight from float32.
+            summed = _reference_sum(sent) if device == "cuda" else _reference_sum(sent.float())
+            _assert_same_bits(got.flatten(), summed.to(dtype))
+
+
+def _on_another_gpu(rank, world):
+    import ddpx
+
+    torch.cuda.set_device(0)
+    results = []
+    for dtype, compression in ((torch.float32, None), (torch.float32, "bf16"),
+                               (torch.bfloat16, None)):
+        tensor = _values(4097).to(dtype).to("cuda:1")
+        ddpx.all_reduce(tensor, average=True, compression=compression)
+        results.append((tensor.device.index, torch.cuda.current_device(), tensor.cpu()))
+    return results
+
+
+@needs_two_gpus
+def test_all_reduce_of_a_tensor_on_another_gpu_than_the_current_one():
+    """A tensor on cuda:1 while cuda:0 is current: reduced on its own GPU, the current device
+    left as it was."""
+    [results] = run_ranks(_on_another_gpu, 1, backend="nccl", timeout=120)
+    for (index, current, result), wire in zip(
+            results, (torch.float32, torch.bfloat16, torch.bfloat16), strict=True):
+        assert (index, current) == (1, 0)
+        _assert_same_bits(result, _values(4097).to(wire).to(result.dtype))
+
+
+def _groups_for_timeouts(rank, world, device):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ddpx.engine import group_with_timeout
+
+    world_group = dist.group.WORLD
+    own = world_group._get_backend(torch.device(device)).options._timeout
+    assert group_with_timeout(world_group, device, None) is world_group
+    assert group_with_timeout(world_group, device, own) is world_group
+    other = group_with_timeout(world_group, device, timedelta(seconds=7))
+    tensor = torch.full((5,), float(rank + 1), device=device)
+    dist.all_reduce(tensor, group=other)
+    return (other._get_backend(torch.device(device)).options._timeout.total_seconds(),
+            dist.get_process_group_ranks(other), tensor.cpu().tolist())
+
+
+@pytest.mark.parametrize(("backend", "world", "device"), [
+    pytest.param("gloo", 2, "cpu", id="gloo-2-cpu"),
+    pytest.param("nccl", 1, "cuda", marks=needs_gpu, id="nccl-1")])
+def test_an_engine_timeout_other_than_the_groups_is_its_own_groups(backend, world, device):
+    """NCCL reads no per-call timeout, nor does gloo's all-to-all: the CUDA engine asked for a
+    timeout other than its group's runs on a group of the same ranks made with it."""
+    for timeout, ranks, reduced in run_ranks(_groups_for_timeouts, world, device,
+                                             backend=backend):
+        assert (timeout, ranks) == (7.0, list(range(world)))
+        assert reduced == [world * (world + 1) / 2] * 5
