@@ -1045,8 +1045,9 @@ def mixed_init(rank, world):
 @pytest.mark.parametrize("backend", [
     "cpu:ddpx,cuda:gloo",  # what this CPU-only torch can make of a device map
     pytest.param("cpu:ddpx,cuda:nccl", marks=pytest.mark.skipif(
-        not dist.is_nccl_available(),
-        reason="a torch without NCCL refuses 'cuda:nccl' itself, before any backend is made")),
+        not (dist.is_nccl_available() and torch.cuda.is_available()),
+        reason="torch refuses 'cuda:nccl' itself without NCCL or without a GPU, before any "
+               "backend is made")),
 ])
 def test_device_mapped_init_strings_put_cpu_tensors_on_ddpx(backend):
     described = run_ranks(mixed_init, 2, backend=backend)
@@ -1284,6 +1285,7 @@ def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     assert shm_segments() <= segments
 
 
+@pytest.mark.slow
 def test_three_nodes_trade_all_to_all_and_reduce_scatter_on_the_engine(tmp_path):
     segments = shm_segments()
     results = run_nodes(nodes_job("three_node_body"), tmp_path, nodes=3)

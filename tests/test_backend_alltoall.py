@@ -58,11 +58,15 @@ def _all_to_all(rank, world, ddpx_only):
     out = torch.empty(sum(receives), 3, dtype=torch.bfloat16)
     dist.all_to_all_single(out, inp, output_split_sizes=receives, input_split_sizes=sends)
     results["splits"] = out
-    # The list form.
+    # The list form (which gloo has from torch 2.13 on).
     ins = [_payload(rank, d, 2, torch.float64) for d in range(world)]
     outs = [torch.empty(2, 3, dtype=torch.float64) for _ in range(world)]
-    dist.all_to_all(outs, ins)
-    results["list"] = torch.cat(outs)
+    try:
+        dist.all_to_all(outs, ins)
+        results["list"] = torch.cat(outs)
+    except RuntimeError as error:
+        if ddpx_only or "does not support alltoall" not in str(error):
+            raise
     if not ddpx_only:
         return results
     # The input as the output (gloo returns the input unchanged).
@@ -86,8 +90,11 @@ def test_all_to_all_moves_what_gloo_moves(world):
     gloo = run_ranks(_all_to_all, world, False, backend="gloo")
     for rank in range(world):
         for name in ("equal", "large", "int", "splits", "list"):
-            assert ddpx[rank][name].dtype == gloo[rank][name].dtype, name
-            assert torch.equal(ddpx[rank][name], gloo[rank][name]), (rank, name)
+            if name in gloo[rank]:
+                assert ddpx[rank][name].dtype == gloo[rank][name].dtype, name
+                assert torch.equal(ddpx[rank][name], gloo[rank][name]), (rank, name)
+        assert torch.equal(ddpx[rank]["list"], torch.cat([_payload(src, rank, 2, torch.float64)
+                                                          for src in range(world)]))
         receives = [_splits(world, src)[rank] for src in range(world)]
         expected = torch.cat([_payload(src, rank, receives[src], torch.float64)
                               for src in range(world)])
