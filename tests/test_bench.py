@@ -269,6 +269,7 @@ def test_runs_are_fresh_launches_summed_up_by_median_and_worst(tmp_path):
     assert not list(Path("/dev/shm").glob("ddpx-*"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ddpx_backend_registered(), reason="needs ddpx's backend")
 def test_collectives_over_runs_give_the_median_and_the_worst(tmp_path):
     options = "--sizes 4K --iters 2 --min_time 0.02 --warmup 1 --collectives send_recv".split()
@@ -311,6 +312,7 @@ def test_load_and_ranks_die_with_a_killed_bench(tmp_path):
         bench.stderr.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not ddpx_built(), reason="needs ddpx's extension")
 def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path):
     options = "--sizes 64K --iters 2 --min_time 0.05 --warmup 1 --nodes 2".split()
@@ -508,6 +510,7 @@ def test_train(tmp_path):
     assert "x vs default" in stdout
 
 
+@pytest.mark.slow
 def test_fsdp(tmp_path):
     precisions = ["fp32", "bf16"]
     options = "--params 20K --layers 2 --heads 2 --batch_size 2 --seq_len 8 --steps 2 --warmup 1"

@@ -110,7 +110,8 @@ TRAIN_AND_DIE = """
 """
 
 
-@pytest.mark.parametrize("world, nodes", [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("world, nodes",
+                         [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow), (4, 2)])
 def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_path):
     before = shm_segments()
     proc = launch(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)})

@@ -109,7 +109,7 @@ def test_hook_matches_default_allreduce_on_2_ranks():
     assert_matches_default(run_ranks(compare_hooks, 2, list(OPTIONS)))
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_hook_matches_default_allreduce_on_more_ranks(world):
     names = ["many buckets", "unused parameters", "no_sync accumulation"]
     assert_matches_default(run_ranks(compare_hooks, world, names))
@@ -177,7 +177,7 @@ def compare_sparse(rank, world):
                                       ("cpp", "bf16")]}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sparse_gradients_train_as_with_the_default(world):
     """Sparse buckets go through the process group, dense ones through the engine: the same
     gradients and parameters as DDP's default (tolerance as in assert_matches_default), the same

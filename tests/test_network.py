@@ -313,6 +313,7 @@ def test_a_link_cut_mid_all_gather_of_the_backend_raises_on_every_rank(tmp_path)
     assert_exited_with_errors(statuses, logs)
 
 
+@pytest.mark.slow
 def test_a_rank_stopped_on_the_other_node_makes_every_other_rank_raise(tmp_path):
     at, errors, _, logs = run_fault("stop", "1gbit", tmp_path)
     assert 3 not in errors, errors[3]  # stopped, then killed
@@ -328,6 +329,7 @@ def test_a_rank_that_raises_instead_of_calling_fails_its_partner_on_the_other_no
 
 
 
+@pytest.mark.slow
 def test_a_rank_that_gives_up_stops_the_other_nodes_before_their_own_timeout(tmp_path):
     # As above, but node 0's ranks would wait 10 minutes: they are in the check across nodes,
     # where nothing local wakes them. Rank 2 gives up at node 1's timeout (rank 3 is stopped)

@@ -233,6 +233,7 @@ def test_checkpoint_resume(uninterrupted, mode, tmp_path):
     assert final_state(resumed) == uninterrupted
 
 
+@pytest.mark.slow
 def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_path):
     """SIGKILL of the whole job while rank 0 is inside a save: the previous checkpoint still
     loads, and resuming from it ends exactly where an uninterrupted run ends.
