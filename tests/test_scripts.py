@@ -84,8 +84,9 @@ def final_state(stdout: str) -> tuple[str, str]:
             re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "ddpx-bf16", "default", "fp16",
-                                       pytest.param("ddpx-fp16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("comm_hook", ["ddpx", "default", "fp16",
+                                       *(pytest.param(hook, marks=pytest.mark.slow)
+                                         for hook in ("ddpx-bf16", "ddpx-fp16"))])
 def test_basic_two_processes(comm_hook):
     stdout = accelerate_launch("basic.py", "--comm_hook", comm_hook)
     check_training(stdout, 2, COMM_PATHS[comm_hook])
@@ -119,6 +120,7 @@ def test_single_process(script):
     check_training(stdout, 1, "comm path: none (1 process")
 
 
+@pytest.mark.slow
 def test_one_process_gives_the_command_for_two(tmp_path):
     """`accelerate launch scripts/basic.py` with no Accelerate config runs one process; its comm
     path line gives the command for two CPU processes, which runs two."""

@@ -36,10 +36,7 @@ BY_CONSTRUCTION = {
 # coalescing, groups, the object collectives, DDP, and DETAIL's wrapper.
 REPRESENTATIVE = [
     "test_all_reduce_sum",
-    "test_all_reduce_coalesced_max",
-    "test_all_gather_object_subgroup",
     "test_batch_isend_irecv_gloo_tags",
-    "test_send_recv_any_source",
     "test_DistributedDataParallelCPU",
     "test_ddp_logging_data_cpu",
     "test_get_backend",
