@@ -1,12 +1,10 @@
-"""The steps of tools/gpu_check.sh that ask torch, one subcommand each:
+"""The steps of tools/gpu_check.sh that need ddpx, one subcommand each:
 
-    python tools/gpu_report.py environment --json OUT/environment.json
     python tools/gpu_report.py build-info --json OUT/build_info.json
     python tools/gpu_report.py speed --json OUT/speed.json --text OUT/speed.txt
 
-environment: python, torch with its CUDA and NCCL versions, the GPUs, the CUDA toolkit a build
-would use. build-info: ddpx.build_info() of the extension built in this checkout; fails when it is
-not that in-place build, or when torch is a CUDA build and the extension has no CUDA kernels.
+build-info: ddpx.build_info() of the extension built in this checkout; fails when it is not that
+in-place build, or when torch is a CUDA build and the extension has no CUDA kernels.
 
 speed, on the first GPU: a device-to-device copy_ of 1 GiB of float32, then each CUDA kernel of
 ddpx on the same data (GB/s counting the bytes read plus the bytes written; the median of CUDA
@@ -25,9 +23,6 @@ sizes and times CPU collectives on the slowest rank; this times one GPU from one
 import argparse
 import gc
 import json
-import os
-import platform
-import shutil
 import statistics
 import sys
 import sysconfig
@@ -45,31 +40,6 @@ TRAIN_PARAMS = 25_000_000
 TRAIN_BATCH, TRAIN_LR = 16, 0.01
 TRAIN_WARMUP, TRAIN_STEPS = 5, 30
 KERNEL_REPEATS = 20
-
-
-def environment() -> dict:
-    from torch.utils import cpp_extension
-
-    info = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "gpus": [],
-        "nccl": None,
-        "cuda_home": cpp_extension.CUDA_HOME,
-        "nvcc": shutil.which("nvcc"),
-        "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
-    }
-    if torch.cuda.is_available():
-        info["nccl"] = str(torch.cuda.nccl.version())
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            info["gpus"].append({"name": props.name, "capability": f"{props.major}.{props.minor}",
-                                 "memory_gib": round(props.total_memory / 2**30, 1),
-                                 "multiprocessors": props.multi_processor_count})
-    return info
 
 
 def build_info() -> tuple[dict, str | None]:
@@ -271,15 +241,12 @@ def speed_text(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["environment", "build-info", "speed"])
+    parser.add_argument("step", choices=["build-info", "speed"])
     parser.add_argument("--json", type=Path, required=True, help="where the JSON goes")
     parser.add_argument("--text", type=Path, help="speed: where the table goes too")
     args = parser.parse_args(argv)
     failure = None
-    if args.step == "environment":
-        report = environment()
-        text = json.dumps(report, indent=2)
-    elif args.step == "build-info":
+    if args.step == "build-info":
         report, failure = build_info()
         text = json.dumps(report, indent=2) + (f"\nFAILED: {failure}" if failure else "")
         report["failure"] = failure
