@@ -3,11 +3,13 @@
 ToyMpModel keeps net1 on one device and net2 on another; DDP then averages the gradients of both
 halves across processes. `accelerator.prepare` cannot wrap such a model (it moves the model to one
 device and gives DDP that one device id), so this script wraps it in DDP itself, with
-device_ids=None, and uses Accelerate only to launch, to know its rank, and to print.
+device_ids=None, whenever a launcher made a process group (one process too), and uses Accelerate
+only to launch, to know its rank, and to print.
 On GPUs, the process of local rank r uses cuda:2r and cuda:2r+1: launch half as many processes
 as GPUs. On CPU both halves live on "cpu" (the split is then only in the code). --devices DEV0,DEV1
 puts the halves of every process on those two devices instead: both on one GPU, or one on a GPU
-and one on the CPU (for one process only, as DDP takes no model that spans device types).
+and one on the CPU (for one process without a launcher only, as DDP takes no model that spans
+device types).
 
 Launch from the repository root:
 
@@ -25,6 +27,7 @@ Launch from the repository root:
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
@@ -61,7 +64,7 @@ def named_devices(spec: str, distributed: bool) -> tuple[torch.device, torch.dev
 def split_devices(accelerator, devices: str | None):
     """The two devices of this process; exits with the reason when the GPUs are too few."""
     if devices is not None:
-        return named_devices(devices, accelerator.use_distributed)
+        return named_devices(devices, dist.is_initialized())
     if accelerator.device.type == "cpu":
         return torch.device("cpu"), torch.device("cpu")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -80,7 +83,7 @@ def split_devices(accelerator, devices: str | None):
 def train(accelerator, args):
     dev0, dev1 = split_devices(accelerator, args.devices)
     model = ToyMpModel(dev0, dev1)
-    if accelerator.use_distributed:
+    if dist.is_initialized():  # launched by torchrun or accelerate launch, one process too
         model = DistributedDataParallel(model, device_ids=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     comm_path = attach_comm_hook(model, args.comm_hook)

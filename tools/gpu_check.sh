@@ -14,8 +14,8 @@
 #                           CUDA; if not, the steps below do not run (ddpx would build itself)
 #   speed               45  tools/gpu_report.py speed: the kernels against a device-to-device copy,
 #                           all-reduces and DDP steps at world size 1 (speed.json, speed.txt)
-#   model_parallel-ddp  40  scripts/model_parallel.py under DDP with ddpx's hook: 2 processes,
-#                           both halves of each on cuda:0 (on the CPU without a GPU)
+#   model_parallel-ddp  40  scripts/model_parallel.py under DDP with ddpx's hook: one process
+#                           under torchrun (NCCL), both halves on cuda:0 (the CPU without a GPU)
 #   model_parallel-cuda0-cpu  25  its halves on cuda:0 and the CPU: one process, no DDP (DDP
 #                           takes no model that spans device types); only with a GPU
 #   tests               the rest, at least 70 s: tests/test_cuda.py but its compile checks, in
@@ -183,13 +183,12 @@ step_build() {
   "$PYTHON" setup.py -q build_ext --inplace
 }
 
-# scripts/model_parallel.py under DDP. Two processes, as Accelerate wraps no model in DDP for
-# one. --cpu: Accelerate's gloo group, which two processes on one GPU can share (NCCL refuses
-# them); the model's halves still go to --devices.
+# scripts/model_parallel.py under DDP: one process launched by torchrun, which makes the process
+# group (NCCL on a GPU) that the script wraps its model in DDP for.
 # shellcheck disable=SC2317  # run by bash -c
 step_model_parallel_ddp() {
-  "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 scripts/model_parallel.py \
-    --cpu --devices "$1" --steps 20 || return
+  "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 1 scripts/model_parallel.py \
+    --devices "$1" --steps 20 || return
   # Rank 0 names the comm path; "none" would be a run without DDP.
   if ! grep -q '^comm path: ddpx' "$OUT/model_parallel-ddp.log"; then
     echo "FAILED: no 'comm path: ddpx' above: the model was not under DDP with ddpx's hook"
