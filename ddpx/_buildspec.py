@@ -7,6 +7,9 @@ exists.
 
 import glob
 import os
+import re
+import shutil
+import subprocess
 
 CPP_SOURCES = (
     "kernels.cpp",
@@ -101,3 +104,22 @@ def nvcc_flags() -> list[str]:
         flags += [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in CUDA_ARCHS]
         flags.append(f"-gencode=arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}")
     return flags
+
+
+def static_libstdcxx(library: str) -> str | None:
+    """Why the built ``library`` cannot run beside torch, or None (also where readelf cannot
+    tell). A compiler that links libstdc++ into it statically (a toolchain wrapper whose -B
+    folder holds libstdc++.a does) gives it streams of its own whose locale the process's shared
+    libstdc++ never sets up: the first number written to a std::ostringstream crashes."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        return None
+    dynamic = subprocess.run([readelf, "-d", library], capture_output=True, text=True).stdout
+    needed = re.findall(r"\(NEEDED\).*\[(.+?)\]", dynamic)
+    if not needed or any(name.startswith(("libstdc++.so", "libc++.so")) for name in needed):
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    return (f"ddpx: {library} was linked without libstdc++.so (it needs {', '.join(needed)}): "
+            f"the C++ compiler ({compiler}) put a static libstdc++ into it, whose streams crash "
+            "beside torch's. Rebuild with a compiler that links libstdc++.so.6, e.g. "
+            "CXX=/usr/bin/g++ python setup.py build_ext --inplace")

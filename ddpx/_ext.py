@@ -14,7 +14,7 @@ from types import ModuleType
 import torch
 
 from ddpx import settings
-from ddpx._buildspec import CPP_SOURCES, plan
+from ddpx._buildspec import CPP_SOURCES, plan, static_libstdcxx
 
 logger = logging.getLogger("ddpx")
 
@@ -85,15 +85,16 @@ def extension() -> ModuleType:
         return _module
     try:
         from ddpx import _C
-
-        if _C.torch_version == torch.__version__:
-            _module, _how = _C, "prebuilt"
-            return _module
-        reason = (f"ddpx._C was built for torch {_C.torch_version}, "
-                  f"this is torch {torch.__version__}")
     except ImportError as error:
-        reason = f"ddpx._C is not built ({error})"
-    _module, _how = _build(reason), "jit"
+        _C, reason = None, f"ddpx._C is not built ({error})"
+    if _C is not None and _C.torch_version != torch.__version__:
+        _C, reason = None, (f"ddpx._C was built for torch {_C.torch_version}, "
+                            f"this is torch {torch.__version__}")
+    module, how = (_C, "prebuilt") if _C is not None else (_build(reason), "jit")
+    why = static_libstdcxx(module.__file__)
+    if why:
+        raise ImportError(why)
+    _module, _how = module, how
     return _module
 
 

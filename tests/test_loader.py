@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ddpx
-from ddpx._buildspec import CPP_SOURCES, CUDA_SOURCES, plan
+from ddpx._buildspec import CPP_SOURCES, CUDA_SOURCES, plan, static_libstdcxx
 
 ROOT = Path(__file__).resolve().parents[1]
 # An editable install maps ddpx to the checkout through a finder ahead of PYTHONPATH; drop it so
@@ -29,6 +29,28 @@ def test_prebuilt_extension_matches_this_torch():
     assert info["cpu_isa"] in ("avx2", "portable")
     assert info["cuda"] is False or torch.version.cuda is not None
     assert Path(info["path"]).name.startswith("_C")
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None or shutil.which("g++") is None,
+                    reason="needs readelf and g++")
+def test_a_static_libstdcxx_is_refused_with_its_cause_and_fix(tmp_path, monkeypatch):
+    """A GPU image's compiler wrapper linked libstdc++ into ddpx._C statically: its first
+    std::ostringstream number then segfaulted beside torch's libstdc++.so. The loader refuses such
+    a library by its dynamic section; the one built here passes."""
+    assert static_libstdcxx(ddpx._ext.extension().__file__) is None
+    source = tmp_path / "streams.cpp"
+    source.write_text("#include <sstream>\n#include <string>\n"
+                      "std::string digits(long x) { std::ostringstream out; out << x; "
+                      "return out.str(); }\n")
+    for static, name in ((False, "shared.so"), (True, "static.so")):
+        command = ["g++", "-shared", "-fPIC", str(source), "-o", str(tmp_path / name)]
+        subprocess.run(command + ["-static-libstdc++"] * static, check=True, timeout=120)
+    assert static_libstdcxx(str(tmp_path / "shared.so")) is None
+    monkeypatch.setenv("CXX", "/opt/gcc/bin/g++")
+    why = static_libstdcxx(str(tmp_path / "static.so"))
+    assert why.startswith(f"ddpx: {tmp_path / 'static.so'} was linked without libstdc++.so"), why
+    assert "(/opt/gcc/bin/g++) put a static libstdc++ into it" in why
+    assert "CXX=/usr/bin/g++ python setup.py build_ext --inplace" in why
 
 
 def test_build_plan_adds_cuda_only_for_a_cuda_torch_with_a_toolkit(tmp_path, monkeypatch):
