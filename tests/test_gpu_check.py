@@ -8,6 +8,7 @@ its summary of failed steps and tests, and the speed report's DDP steps and tabl
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,6 +180,23 @@ def test_missing_tools_come_first_and_a_cut_off_step_still_reports_each_test(tmp
     assert text.startswith("ddpx GPU check: FAILED: 2 of 6 steps (build, tests)"), text
     assert "missing: ninja, accelerate (see preflight.log)" in text, text
     assert "TIMED OUT " in text and text.count("test_hangs") == 1, text
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not os.access("/usr/bin/g++", os.X_OK),
+                    reason="needs g++ at /usr/bin/g++")
+def test_a_compiler_that_links_libstdcxx_statically_is_replaced_for_the_build(tmp_path):
+    """The H200 image's CXX linked libstdc++ into ddpx._C statically, which ddpx refuses to load:
+    the preflight says so and hands the build /usr/bin/g++."""
+    wrapper = tmp_path / "static-g++"
+    wrapper.write_text('#!/bin/sh\nexec g++ -static-libstdc++ "$@"\n')
+    wrapper.chmod(0o755)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_preflight.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CXX": str(wrapper)})
+    assert out.returncode == 0, out.stderr
+    assert (f"{wrapper} links libstdc++ statically, which ddpx refuses to load: the build uses "
+            "/usr/bin/g++") in out.stdout, out.stdout
+    assert "BUILD_CXX=/usr/bin/g++\n" in (tmp_path / "preflight.env").read_text()
 
 
 def test_a_failing_interpreter_fails_every_step_and_still_reports(tmp_path):

@@ -203,7 +203,7 @@ trap 'say "interrupted"; [[ -n $STEP_PID ]] && kill -TERM "$STEP_PID" && wait "$
   exit 130' INT TERM
 
 run_step preflight bash -c step_preflight
-CAPABILITY=- GPUS=0 TOOLKIT='' NINJA_DIR=''
+CAPABILITY=- GPUS=0 TOOLKIT='' NINJA_DIR='' BUILD_CXX=''
 if [[ -f $OUT/preflight.env ]]; then
   # shellcheck source=/dev/null
   source "$OUT/preflight.env"
@@ -235,6 +235,7 @@ fi
 export TORCH_CUDA_ARCH_LIST MAX_JOBS=${MAX_JOBS:-$(nproc)}
 [[ -n $TOOLKIT ]] && export CUDA_HOME=$TOOLKIT PATH="$TOOLKIT/bin:$PATH"
 [[ -n $NINJA_DIR ]] && export PATH="$NINJA_DIR:$PATH"
+[[ -n $BUILD_CXX ]] && export CXX=$BUILD_CXX
 
 run_step build bash -c step_build
 run_step build_info "$PYTHON" tools/gpu_report.py build-info --json "$OUT/build_info.json"

@@ -7,8 +7,10 @@ environment: python, torch with its CUDA and NCCL, the GPUs, the CUDA toolkit) a
 OUT/preflight.env, the findings gpu_check.sh sources: MISSING (the names of what is missing, which
 gpu_check.sh matches against what each step needs), CAPABILITY (the first GPU's, "-" for none),
 GPUS, and the folders to use for the toolkit (TOOLKIT) and ninja (NINJA_DIR, when the ninja that
-runs is not the first on PATH). Standard library only besides torch, so that it reports even where
-torch does not import. Exit status 0 whatever is missing: gpu_check.sh decides what that stops.
+runs is not the first on PATH), and the C++ compiler to build with (BUILD_CXX, when CXX's links
+libstdc++ statically, which ddpx refuses to load). Standard library only besides torch, so that
+it reports even where torch does not import. Exit status 0 whatever is missing: gpu_check.sh
+decides what that stops.
 """
 
 import glob
@@ -16,10 +18,12 @@ import importlib
 import json
 import os
 import platform
+import runpy
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +145,35 @@ def _torch_checks(checks: list[dict], env: dict, shell: dict) -> None:
     checks.append(_check("nvcc", True, f"{home}: {_nvcc_version(home)}"))
 
 
+def _links_static_libstdcxx(compiler: str) -> bool:
+    """Whether ``compiler`` puts libstdc++ into a shared library statically (the H200 image's
+    CXX wrapper did: ddpx's streams then crashed beside torch's)."""
+    static_libstdcxx = runpy.run_path(str(ROOT / "ddpx" / "_buildspec.py"))["static_libstdcxx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        source, library = Path(tmp, "streams.cpp"), Path(tmp, "streams.so")
+        source.write_text("#include <sstream>\n#include <string>\nstd::string digits(long x) "
+                          "{ std::ostringstream out; out << x; return out.str(); }\n")
+        built = subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)],
+                               capture_output=True, timeout=60).returncode == 0
+        return built and static_libstdcxx(str(library)) is not None
+
+
+def _compiler_check(shell: dict) -> dict:
+    compiler = os.environ.get("CXX", "c++")
+    path = shutil.which(compiler)
+    if path is None:
+        return _check("compiler", False, f"`{compiler}` is not on PATH (set CXX)")
+    if not _links_static_libstdcxx(path):
+        return _check("compiler", True, path)
+    for other in ("/usr/bin/g++", "/usr/bin/c++"):
+        if os.access(other, os.X_OK) and not _links_static_libstdcxx(other):
+            shell["BUILD_CXX"] = other
+            return _check("compiler", True, f"{path} links libstdc++ statically, which ddpx "
+                          f"refuses to load: the build uses {other}")
+    return _check("compiler", False, f"{path} links libstdc++ statically, which ddpx refuses to "
+                  "load, and no /usr/bin/g++ or /usr/bin/c++ links libstdc++.so: set CXX")
+
+
 def preflight() -> tuple[list[dict], dict, dict]:
     """The checks, the environment, and the findings for the shell."""
     checks = [_check("python", True, f"{sys.version.split()[0]} {sys.executable}", note=True)]
@@ -148,11 +181,9 @@ def preflight() -> tuple[list[dict], dict, dict]:
            "torch_cuda": None, "cuda_available": False, "gpus": [], "nccl": None,
            "cuda_home": None, "nvcc": None,
            "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
-    shell = {"CAPABILITY": "-", "GPUS": "0", "TOOLKIT": "", "NINJA_DIR": ""}
+    shell = {"CAPABILITY": "-", "GPUS": "0", "TOOLKIT": "", "NINJA_DIR": "", "BUILD_CXX": ""}
     _torch_checks(checks, env, shell)
-    compiler = os.environ.get("CXX", "c++")
-    checks.append(_check("compiler", shutil.which(compiler) is not None,
-                         shutil.which(compiler) or f"`{compiler}` is not on PATH (set CXX)"))
+    checks.append(_compiler_check(shell))
     ninja = next((path for path in _ninjas() if _runs(path)), None)
     if ninja is not None and ninja != shutil.which("ninja"):
         # torch's build runs the first ninja on PATH: pip's one goes first, when the environment's
