@@ -1,12 +1,8 @@
 #include "torch_compat.h"
 
-#include <torch/version.h>
-
 #include <vector>
 
 namespace ddpx {
-
-#define DDPX_TORCH_AT_LEAST_2_13 (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13)
 
 c10::intrusive_ptr<c10d::Work> all_to_all(c10d::ProcessGroup& group, at::Tensor& out,
                                           at::Tensor& in, std::chrono::milliseconds timeout) {

@@ -10,9 +10,12 @@
 
 namespace ddpx {
 
+#define DDPX_TORCH_AT_LEAST_2_13 \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+
 // PREMUL_SUM's factor: torch 2.13 names it PreMulSumSupplement (the old name an alias kept for
 // now), torch 2.11 only NCCLPreMulSumSupplement.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#if DDPX_TORCH_AT_LEAST_2_13
 using PreMulSumFactor = c10d::PreMulSumSupplement;
 #else
 using PreMulSumFactor = c10d::NCCLPreMulSumSupplement;
