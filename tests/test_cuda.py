@@ -546,23 +546,30 @@ def _hook_steps(rank, world):
     return _unless_refused(lambda: {case: _hook_case(*case) for case in HOOK_CASES})
 
 
-@pytest.fixture(scope="module")
-def hook_runs():
-    """run(backend, world): every hook case's results by rank, from one launch of the ranks per
-    process group (a failed launch fails every case that needs it, without a relaunch)."""
+def _launched_once(fn, timeout: float):
+    """run(backend, world, *args): fn's results by rank, from one launch of the ranks per
+    process group and arguments (a failed launch fails every case that needs it, without a
+    relaunch)."""
     runs = {}
 
-    def run(backend, world):
-        if (backend, world) not in runs:
+    def run(backend, world, *args):
+        key = backend, world, *args
+        if key not in runs:
             try:
-                runs[backend, world] = run_ranks(_hook_steps, world, backend=backend, timeout=120)
+                runs[key] = run_ranks(fn, world, *args, backend=backend, timeout=timeout)
             except AssertionError as error:
-                runs[backend, world] = error
-        if isinstance(runs[backend, world], AssertionError):
-            pytest.fail(f"the ranks failed:\n{runs[backend, world]}")
-        return _results(runs[backend, world])
+                runs[key] = error
+        if isinstance(runs[key], AssertionError):
+            pytest.fail(f"the ranks failed:\n{runs[key]}")
+        return _results(runs[key])
 
     return run
+
+
+@pytest.fixture(scope="module")
+def hook_runs():
+    """run(backend, world): every hook case's results by rank."""
+    return _launched_once(_hook_steps, timeout=120)
 
 
 @pytest.mark.parametrize(("backend", "world"), [NCCL_1, NCCL_2, GLOO_2])
@@ -691,21 +698,8 @@ def _ddp_cases(rank, world, device_type):
 
 @pytest.fixture(scope="module")
 def ddp_runs():
-    """run(backend, world, device): every DDP case's results by rank, from one launch."""
-    runs = {}
-
-    def run(backend, world, device):
-        key = backend, world, device
-        if key not in runs:
-            try:
-                runs[key] = run_ranks(_ddp_cases, world, device, backend=backend, timeout=180)
-            except AssertionError as error:
-                runs[key] = error
-        if isinstance(runs[key], AssertionError):
-            pytest.fail(f"the ranks failed:\n{runs[key]}")
-        return _results(runs[key])
-
-    return run
+    """run(backend, world, device): every DDP case's results by rank."""
+    return _launched_once(_ddp_cases, timeout=180)
 
 
 DDP_GROUPS = [("gloo", 2, "cpu", [], "gloo-2-cpu"), ("nccl", 1, "cuda", [needs_gpu], "nccl-1"),
