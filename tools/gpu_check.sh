@@ -106,8 +106,8 @@ wanted() {
 }
 
 # run_step NAME COMMAND...: runs COMMAND with its output in OUT/NAME.log, unless --skip-build or
-# --only leaves it out or something it needs is missing, for at most its CAP or what is left of the budget but
-# the summary's share; records the outcome in OUT/steps.tsv.
+# --only leaves it out or something it needs is missing, for at most its CAP or what is left of
+# the budget but the summary's share; records the outcome in OUT/steps.tsv.
 run_step() {
   local name=$1
   shift

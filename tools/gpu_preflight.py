@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # A CUDA build writes a few hundred MB of objects into build/; less than this is a build that dies
 # half way with a full disk.
 BUILD_DISK_GIB = 1.0
+# Read from the file, not imported: importing ddpx would load (or build) the extension.
+STATIC_LIBSTDCXX = runpy.run_path(str(ROOT / "ddpx" / "_buildspec.py"))["static_libstdcxx"]
 
 
 def _check(name: str, ok: bool, detail: str, note: bool = False) -> dict:
@@ -148,14 +150,13 @@ def _torch_checks(checks: list[dict], env: dict, shell: dict) -> None:
 def _links_static_libstdcxx(compiler: str) -> bool:
     """Whether ``compiler`` puts libstdc++ into a shared library statically (the H200 image's
     CXX wrapper did: ddpx's streams then crashed beside torch's)."""
-    static_libstdcxx = runpy.run_path(str(ROOT / "ddpx" / "_buildspec.py"))["static_libstdcxx"]
     with tempfile.TemporaryDirectory() as tmp:
         source, library = Path(tmp, "streams.cpp"), Path(tmp, "streams.so")
         source.write_text("#include <sstream>\n#include <string>\nstd::string digits(long x) "
                           "{ std::ostringstream out; out << x; return out.str(); }\n")
         built = subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(library)],
                                capture_output=True, timeout=60).returncode == 0
-        return built and static_libstdcxx(str(library)) is not None
+        return built and STATIC_LIBSTDCXX(str(library)) is not None
 
 
 def _compiler_check(shell: dict) -> dict:
