@@ -101,16 +101,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property(
           "steps",
           [](ShmEngine& e) {
-            static const char* const names[] = {"timed", "narrow", "wide"};
+            static const char* const names[] = {"timed", "narrow", "wide", "shared"};
             return std::string(names[int(e.shm().steps())]);
           },
           [](ShmEngine& e, const std::string& steps) {
             using Steps = ShmAllreduce::Steps;
-            TORCH_CHECK_VALUE(steps == "timed" || steps == "narrow" || steps == "wide",
-                              "ddpx: steps must be 'timed', 'narrow' or 'wide', got '", steps, "'");
+            TORCH_CHECK_VALUE(
+                steps == "timed" || steps == "narrow" || steps == "wide" || steps == "shared",
+                "ddpx: steps must be 'timed', 'narrow', 'wide' or 'shared', got '", steps, "'");
             e.shm().set_steps(steps == "timed"    ? Steps::Timed
                               : steps == "narrow" ? Steps::Narrow
-                                                  : Steps::Wide);
+                              : steps == "wide"   ? Steps::Wide
+                                                  : Steps::Shared);
           })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
         const ShmAllreduce::WaitStats w = e.wait_stats();

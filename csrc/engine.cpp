@@ -167,6 +167,14 @@ std::string ShmEngine::describe() const {
   if (!cross_node_) {
     const std::string one_shot = shm.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
+    const std::string shared = shm.shared_sizes();
+    if (!shared.empty()) {
+      out << ", shared " << shared << " (any rank sums any block for all, in their tensors)";
+    } else if (shm.steps() == ShmAllreduce::Steps::Shared) {
+      const std::string& because = shm.channel().unreachable_because();
+      out << ", shared once every rank reaches its peers' memory"
+          << (because.empty() ? "" : " (it cannot: " + because + ")");
+    }
   }
   out << "; " << shm.wait_policy();
   if (cross_node_) {

@@ -24,6 +24,7 @@ ShmAllreduce::ShmAllreduce(std::shared_ptr<ShmSegment> segment, ShmLayout layout
 void ShmAllreduce::begin_call() {
   channel_.begin_call();
   schedules_.store(agreed_, std::memory_order_relaxed);
+  shared_now_.store(agreed_shared_, std::memory_order_relaxed);
 }
 
 void ShmAllreduce::reject(const std::string& reason, const std::string& what) {
@@ -123,7 +124,10 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
   const auto started = Clock::now();
   const bool wide = schedule == kWide;
   const ShmLayout& layout = channel_.layout();
-  const int64_t per_block = int64_t((wide ? layout.wide_bytes : layout.block_bytes) / wire_size);
+  const int64_t per_block = int64_t((wide                  ? layout.wide_bytes
+                                     : schedule == kShared ? shared_block_bytes(bytes)
+                                                           : layout.block_bytes) /
+                                    wire_size);
   // Two-phase sums stay in the accumulation dtype in shared memory, so a result is rounded into
   // the tensor's dtype once, and is the same bits whichever schedule reduced it.
   const DType acc = dtype == DType::Float64 ? DType::Float64 : DType::Float32;
@@ -160,8 +164,12 @@ void ShmAllreduce::allreduce(void* data, DType dtype, int64_t numel, DType wire,
     allreduce_across_nodes(call);
     return;
   }
-  allreduce_in_node(call, one_shot);
-  if (channel_.me() == 0 && timed >= 0) {
+  if (schedule == kShared) {
+    allreduce_shared(call);
+  } else {
+    allreduce_in_node(call, one_shot);
+  }
+  if (channel_.me() == 0 && timed >= 0 && schedule != kShared) {
     time_schedule(timed, schedule, bytes, Clock::now() - started - call.skew);
   }
 }
@@ -224,6 +232,70 @@ void ShmAllreduce::allreduce_in_node(AllreduceCall& call, bool one_shot) {
     const auto [lo, hi] = x.slice(count);
     sum_slice(call, step, b, lo, hi, channel_.output_slot(step) + size_t(lo) * x.acc_size);
     copy_out(call, step, b);
+  }
+}
+
+// Small messages go in a few blocks per rank, so that ranks that run together share the work.
+size_t ShmAllreduce::shared_block_bytes(size_t bytes) const {
+  const size_t share = (bytes / size_t(2 * channel_.size()) + kPage - 1) / kPage * kPage;
+  return std::min(block_bytes(), std::max(kMinSharedBlock, share));
+}
+
+void ShmAllreduce::allreduce_shared(AllreduceCall& call) {
+  const Blocks& x = call.blocks;
+  const uint64_t step = ++step_;
+  call.meta.address = reinterpret_cast<uint64_t>(x.data);
+  channel_.post(step, call.meta);
+  channel_.publish(Phase::Arrive, step);
+  const auto waits_from = Clock::now();
+  channel_.wait_all(Phase::Arrive, step, call.what);
+  call.skew = Clock::now() - waits_from;
+  agree_on_schedules(step);
+  // Past the check every rank's tensor has this call's size, which the claimers rely on.
+  check_call(call.meta, call.what);
+  const uint64_t first = shared_blocks_, end = first + uint64_t(x.n);
+  shared_blocks_ = end;
+  uint64_t block = 0;
+  while (channel_.claim_block(end, &block)) {
+    sum_block_for_all(call, step, int64_t(block - first));
+    channel_.block_done(end);
+  }
+  channel_.wait_blocks_done(end, call.what);
+}
+
+// The claimer reads each peer's block (in the tensor's dtype), packs every rank's into the wire
+// dtype where the call scales or compresses, sums them in rank order into its own tensor as the
+// one-shot schedule does, and writes the result into every peer's.
+void ShmAllreduce::sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
+  const Blocks& x = call.blocks;
+  const Kernels& k = kernels();
+  const int64_t count = x.elements(b);
+  if (count == 0) return;
+  const size_t raw_bytes = size_t(count) * x.data_size;
+  const size_t offset = size_t(b * x.per_block) * x.data_size;
+  const bool packed = x.wire != x.dtype || call.scale != 1.0;
+  const size_t raw_room = size_t(x.per_block) * x.data_size;
+  const size_t wire_room = packed ? size_t(x.per_block) * x.wire_size : 0;
+  shared_scratch_.resize(size_t(x.ranks) * (raw_room + wire_room));
+  const void* srcs[kMaxLocalRanks];
+  for (int r = 0; r < x.ranks; ++r) {
+    char* raw = x.at(b);
+    if (r != x.me) {
+      raw = shared_scratch_.data() + size_t(r) * raw_room;
+      channel_.read_peer(r, raw, channel_.posted(r, step).address + offset, raw_bytes, call.what);
+    }
+    srcs[r] = raw;
+    if (packed) {
+      char* wire = shared_scratch_.data() + size_t(x.ranks) * raw_room + size_t(r) * wire_room;
+      k.pack(wire, x.wire, raw, x.dtype, count, call.scale, Store::Cached);
+      srcs[r] = wire;
+    }
+  }
+  k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, Store::Cached);
+  for (int r = 0; r < x.ranks; ++r) {
+    if (r == x.me) continue;
+    channel_.write_peer(r, channel_.posted(r, step).address + offset, x.at(b), raw_bytes,
+                        call.what);
   }
 }
 

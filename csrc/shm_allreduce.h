@@ -94,7 +94,10 @@ class ShmAllreduce {
   // How the all-reduce picks its schedule: in narrow (the default) or wide steps, one-shot up
   // to one_shot_bytes, or timed (by local rank 0, see time_schedule). Every rank must set the
   // same, between calls.
-  enum class Steps { Timed, Narrow, Wide };
+  // Shared (the default): messages over the one-shot sizes go in blocks any rank sums for all
+  // (ShmChannel::claim_block), once every rank can reach its peers' memory; in narrow steps until
+  // then, or where they cannot.
+  enum class Steps { Timed, Narrow, Wide, Shared };
   // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
   static constexpr size_t kOneShotAlways = size_t(32) << 10;
   void set_steps(Steps steps) { steps_.store(steps, std::memory_order_relaxed); }
@@ -102,6 +105,7 @@ class ShmAllreduce {
   // Which sizes the next all-reduce calls go in wide steps and one-shot for, as "a-b KiB" ranges.
   std::string wide_sizes() const;
   std::string one_shot_sizes() const;
+  std::string shared_sizes() const;
   // Messages up to this size go one-shot whatever else is chosen.
   size_t always_one_shot_bytes() const;
 
@@ -165,6 +169,13 @@ class ShmAllreduce {
   // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
   void copy_out(const AllreduceCall& call, uint64_t step, int64_t b);
   void allreduce_in_node(AllreduceCall& call, bool one_shot);
+  // The shared schedule: blocks claimed by whichever rank gets there first, each summed by its
+  // claimer straight from every rank's tensor into every rank's tensor.
+  void allreduce_shared(AllreduceCall& call);
+  void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b);
+  // A shared call's blocks: narrow ones, smaller for messages of less than two per rank.
+  static constexpr size_t kMinSharedBlock = size_t(16) << 10;
+  size_t shared_block_bytes(size_t bytes) const;
   void allreduce_across_nodes(AllreduceCall& call);
 
   // Raises if an earlier call failed here or on a peer; then the call may start.
@@ -221,7 +232,7 @@ class ShmAllreduce {
   // The schedules local rank 0 times. Size class k holds the all-reduces of (2^k, 2^(k+1)]
   // bytes in the wire dtype; a schedule mask has bit k of its low word set when class k goes
   // wide, of its high word when it goes one-shot, neither for narrow two-phase steps.
-  enum Schedule { kNarrow, kWide, kOneShot, kSchedules };
+  enum Schedule { kNarrow, kWide, kOneShot, kSchedules, kShared = kSchedules };
   static constexpr int kClasses = 32;
   static int size_class(size_t bytes);
   // Whether schedule s may serve every size of class k here; a class is timed when two can.
@@ -249,11 +260,19 @@ class ShmAllreduce {
   std::vector<char> lane_buffer_;  // what a collective other than the all-reduce trades across
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
-  std::atomic<Steps> steps_{Steps::Narrow};
+  std::atomic<Steps> steps_{Steps::Shared};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint64_t> schedules_{0};
   uint64_t agreed_ = 0;  // local rank 0's mask, read at this call's first step
   uint64_t chosen_ = 0;  // local rank 0's own choice, published with each call
+  // Whether the all-reduces over the one-shot sizes go shared: local rank 0's choice, published
+  // with each call; the one agreed at this call's first step; this call's, for describe().
+  uint32_t chosen_shared_ = 0;
+  uint32_t agreed_shared_ = 0;
+  std::atomic<bool> shared_now_{false};
+  bool probed_ = false;
+  uint64_t shared_blocks_ = 0;        // the blocks of the shared calls so far
+  std::vector<char> shared_scratch_;  // the peers' blocks as the claimer reads them
   // Local rank 0's measurements per class: for each schedule, a moving average of the time per
   // byte since its last trial began, and how many calls it counted; which ran last, how many
   // calls in a row, and how many trials of a slower one there were.

@@ -2,10 +2,13 @@
 
 #include <c10/util/Exception.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -16,7 +19,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3778706464ULL;  // "ddpx7": point-to-point rings at the end
+constexpr uint64_t kMagic = 0x3878706464ULL;  // "ddpx8": shared all-reduces' block counters
 // Waiting for peers goes through three stages, none unbounded (see wait_all). Polling with
 // sched_yield alone costs a time slice per synchronisation once a process outside the job shares
 // the core, and spinning without looking at where the awaited rank runs costs twice the time
@@ -82,7 +85,9 @@ struct alignas(64) ShmChannel::RankControl {
   cpu_set_t allowed;  // the CPUs this rank may run on, as of its last call
   int32_t pid;
   uint64_t pid_ns;
-  char message[512];  // why this rank rejected its input or aborted
+  uint64_t probe_address;      // where this rank's probe word lies in its process
+  std::atomic<int32_t> reach;  // a ShmChannel::Reach: whether this rank reaches its peers' memory
+  char message[512];           // why this rank rejected its input or aborted
 };
 
 struct ShmChannel::Header {
@@ -91,6 +96,12 @@ struct ShmChannel::Header {
   uint64_t block_bytes;
   uint64_t wide_bytes;
   alignas(64) std::atomic<int32_t> aborted_by;  // 0, or the local rank + 1 that gave up
+  // Shared all-reduces: the blocks claimed and the blocks done, counted over every call, and the
+  // word their waiters sleep on.
+  alignas(64) std::atomic<uint64_t> claimed_blocks;
+  alignas(64) std::atomic<uint64_t> done_blocks;
+  std::atomic<uint32_t> done_sleepers;
+  std::atomic<uint32_t> done_wake;
 };
 
 size_t ShmLayout::control_offset() { return round_up(sizeof(ShmChannel::Header), 64); }
@@ -143,6 +154,8 @@ ShmChannel::ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, in
   control_[me_].allowed = allowed_cpus();
   control_[me_].pid = int32_t(getpid());
   control_[me_].pid_ns = pid_namespace();
+  probe_word_ = uint64_t(getpid());
+  control_[me_].probe_address = reinterpret_cast<uint64_t>(&probe_word_);
 }
 
 char* ShmChannel::input_slot(int rank, uint64_t step) const {
@@ -202,6 +215,8 @@ void ShmChannel::fail(const std::string& message) {
     control_[r].wake.fetch_add(1, std::memory_order_seq_cst);
     futex_wake_all(&control_[r].wake);
   }
+  header_->done_wake.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(&header_->done_wake);
   if (on_fail_) on_fail_(message);
   C10_THROW_ERROR(DistBackendError, message);
 }
@@ -388,6 +403,149 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
            std::to_string(step) + "); raise the timeout if a peer can be this slow");
     }
   }
+}
+
+bool ShmChannel::claim_block(uint64_t end, uint64_t* block) {
+  uint64_t next = header_->claimed_blocks.load(std::memory_order_relaxed);
+  while (next < end) {
+    if (header_->claimed_blocks.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) {
+      *block = next;
+      return true;
+    }
+  }
+  return false;
+}
+
+void ShmChannel::block_done(uint64_t end) {
+  // Paired with the sleeper's increment-then-recheck, as in publish.
+  const uint64_t done = header_->done_blocks.fetch_add(1, std::memory_order_seq_cst) + 1;
+  if (done == end && header_->done_sleepers.load(std::memory_order_seq_cst) > 0) {
+    header_->done_wake.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&header_->done_wake);
+  }
+}
+
+// A shared call's last blocks are being summed by ranks that are running (they claimed them), so
+// the wait spins as wait_all's does while they may run elsewhere, then sleeps; every kPoll it
+// checks that no peer has exited and that the timeout has not passed.
+void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
+  const auto done = [&] { return header_->done_blocks.load(std::memory_order_acquire) >= end; };
+  if (done()) return;
+  waits_.fetch_add(1, std::memory_order_relaxed);
+  const auto start = Clock::now();
+  struct Timed {
+    Clock::time_point start;
+    std::atomic<uint64_t>& total_ns;
+    ~Timed() {
+      const auto ns = std::chrono::nanoseconds(Clock::now() - start).count();
+      total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
+    }
+  } timed{start, waited_ns_};
+  if (!oversubscribed_) {
+    const int cpu = sched_getcpu();
+    bool apart = true;
+    for (int r = 0; r < layout_.nranks; ++r) {
+      if (r != me_ && (cpu < 0 || CPU_ISSET(cpu, &control_[r].allowed))) apart = false;
+    }
+    const auto spin_for = apart ? kSpinApart : kSpinFor;
+    do {
+      for (int i = 0; i < 32; ++i) {
+        if (done()) return;
+        cpu_relax();
+      }
+    } while (Clock::now() - start < spin_for);
+  }
+  const auto timeout = call_timeout_.count() > 0 ? call_timeout_ : timeout_;
+  const auto deadline = start + timeout;
+  while (true) {
+    check_not_aborted();
+    header_->done_sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t epoch = header_->done_wake.load(std::memory_order_seq_cst);
+    if (!done() && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
+      sleeps_.fetch_add(1, std::memory_order_relaxed);
+      futex_wait(&header_->done_wake, epoch,
+                 std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
+    }
+    header_->done_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (done()) return;
+    for (int r = 0; r < layout_.nranks; ++r) {
+      if (r != me_ && exited(r)) {
+        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(control_[r].pid) +
+             ") exited while " + rank_name(me_) + " waited for the ranks to sum " + what);
+      }
+    }
+    if (Clock::now() >= deadline) {
+      fail("ddpx: " + rank_name(me_) + " timed out after " + seconds_text(timeout) +
+           " s waiting for the ranks to sum " + what +
+           "; raise the timeout if a peer can be this slow");
+    }
+  }
+}
+
+void ShmChannel::peer_copy_failed(const char* verb, int rank, size_t bytes,
+                                  const std::string& what) {
+  const int error = errno;
+  fail("ddpx: " + rank_name(me_) + " could not " + verb + " " + std::to_string(bytes) +
+       " bytes of " + rank_name(rank) + "'s tensor (pid " + std::to_string(control_[rank].pid) +
+       ") for " + what + ": " + std::strerror(error) +
+       (error == ESRCH ? " (the process has exited)" : ""));
+}
+
+void ShmChannel::read_peer(int rank, void* to, uint64_t from, size_t bytes,
+                           const std::string& what) {
+  for (size_t done = 0; done < bytes;) {
+    iovec local{static_cast<char*>(to) + done, bytes - done};
+    iovec remote{reinterpret_cast<void*>(from + done), bytes - done};
+    const ssize_t n = process_vm_readv(control_[rank].pid, &local, 1, &remote, 1, 0);
+    if (n <= 0) peer_copy_failed("read", rank, bytes, what);
+    done += size_t(n);
+  }
+}
+
+void ShmChannel::write_peer(int rank, uint64_t to, const void* from, size_t bytes,
+                            const std::string& what) {
+  for (size_t done = 0; done < bytes;) {
+    iovec local{const_cast<char*>(static_cast<const char*>(from)) + done, bytes - done};
+    iovec remote{reinterpret_cast<void*>(to + done), bytes - done};
+    const ssize_t n = process_vm_writev(control_[rank].pid, &local, 1, &remote, 1, 0);
+    if (n <= 0) peer_copy_failed("write", rank, bytes, what);
+    done += size_t(n);
+  }
+}
+
+void ShmChannel::probe_peers() {
+  std::string because;
+  for (int r = 0; r < layout_.nranks && because.empty(); ++r) {
+    if (r == me_) continue;
+    const RankControl& peer = control_[r];
+    if (peer.pid_ns != control_[me_].pid_ns) {
+      because = rank_name(r) + " runs in another pid namespace";
+      break;
+    }
+    uint64_t word = 0;
+    errno = 0;
+    iovec local{&word, sizeof word};
+    iovec remote{reinterpret_cast<void*>(peer.probe_address), sizeof word};
+    if (process_vm_readv(peer.pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof word) ||
+        word != uint64_t(peer.pid) ||
+        process_vm_writev(peer.pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof word)) {
+      because = "process_vm_readv/writev to " + rank_name(r) +
+                " failed: " + std::strerror(errno ? errno : EIO);
+    }
+  }
+  unreachable_because_ = because;
+  control_[me_].reach.store(int32_t(because.empty() ? Reach::Yes : Reach::No),
+                            std::memory_order_release);
+}
+
+ShmChannel::Reach ShmChannel::reachable() const {
+  Reach all = Reach::Yes;
+  for (int r = 0; r < layout_.nranks; ++r) {
+    const auto reach = Reach(control_[r].reach.load(std::memory_order_acquire));
+    if (reach == Reach::No) return Reach::No;
+    if (reach == Reach::Unknown) all = Reach::Unknown;
+  }
+  return all;
 }
 
 void ShmChannel::begin_call() {

@@ -57,6 +57,10 @@ struct CallMeta {
   // The tensors' c10::ScalarType, for the collectives that move bytes of typed tensors (the
   // ranks' dtypes must match as their sizes do); -1 otherwise.
   int32_t torch_dtype = -1;
+  // Local rank 0's only: 1 when the all-reduces after this one go shared (shm_allreduce.h).
+  uint32_t shared = 0;
+  // Where this rank's tensor lies in its process, for an all-reduce the ranks share.
+  uint64_t address = 0;
 };
 
 class ShmChannel {
@@ -119,6 +123,29 @@ class ShmChannel {
   // Bounds the waits of the calls made until it is reset (zero: the channel's own timeout).
   void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
 
+  // Shared all-reduces (shm_allreduce.cpp): any rank of the node may sum a block for all of them,
+  // reading and writing the others' tensors where they lie (process_vm_readv, process_vm_writev),
+  // so a rank whose peers are off their CPUs does their part instead of waiting for them. Blocks
+  // are numbered across calls, so no counter is ever reset: a call's are [first, end).
+  // Claims the next block below end; false once every one is claimed.
+  bool claim_block(uint64_t end, uint64_t* block);
+  // Counts a claimed block as summed and written to every rank.
+  void block_done(uint64_t end);
+  // Returns once every block below end is done; bounded, and ended by a peer's exit, like
+  // wait_all.
+  void wait_blocks_done(uint64_t end, const std::string& what);
+  // Copies bytes from local rank `rank`'s address space, or into it; raises (and fails the
+  // channel) if the kernel refuses.
+  void read_peer(int rank, void* to, uint64_t from, size_t bytes, const std::string& what);
+  void write_peer(int rank, uint64_t to, const void* from, size_t bytes, const std::string& what);
+  // Tries to read and write a word in every peer's process; every rank does once all have
+  // attached, at its first call. Then reachable() says whether every rank could.
+  void probe_peers();
+  enum class Reach { Unknown, Yes, No };
+  Reach reachable() const;
+  // Why this rank cannot reach a peer's memory, empty when it can (or has not tried).
+  const std::string& unreachable_because() const { return unreachable_because_; }
+
   // What the segment starts with, and each rank's part of it (defined in the .cpp).
   struct Header;
   struct RankControl;
@@ -139,6 +166,9 @@ class ShmChannel {
   bool yield_while_cheap(Phase phase, uint64_t step, Clock::time_point start);
   bool spin_while_running(Phase phase, uint64_t step, Clock::time_point start, bool wide);
   void check_not_aborted() const;
+  // The way to a peer's memory failed: names the cause and fails the channel.
+  [[noreturn]] void peer_copy_failed(const char* verb, int rank, size_t bytes,
+                                     const std::string& what);
 
   std::shared_ptr<ShmSegment> segment_;
   ShmLayout layout_;
@@ -155,6 +185,9 @@ class ShmChannel {
   Clock::time_point yields_banned_until_{};
   std::chrono::milliseconds yield_ban_;
   std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
+  // The word peers probe (probe_peers): this process's pid, at an address they read in control_.
+  uint64_t probe_word_;
+  std::string unreachable_because_;
 };
 
 }  // namespace ddpx

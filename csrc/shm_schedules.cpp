@@ -124,17 +124,39 @@ void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, Clock::durat
 ShmAllreduce::Schedule ShmAllreduce::schedule_for(size_t bytes, int timed) const {
   if (timed >= 0) return scheduled(agreed_, timed);
   if (!cross_node_ && bytes <= always_one_shot_bytes()) return kOneShot;
+  if (agreed_shared_) return kShared;
   if (steps() == Steps::Wide && may_run(size_class(bytes), kWide)) return kWide;
   return kNarrow;
 }
 
 CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire,
                                  double scale, int root, int32_t torch_dtype) {
-  return CallMeta{++calls_, numel, dtype, wire, scale, int32_t(op), root, chosen_, torch_dtype};
+  return CallMeta{++calls_,    numel, dtype,   wire,        scale,
+                  int32_t(op), root,  chosen_, torch_dtype, chosen_shared_};
 }
 
+// Shared calls need every rank to reach every peer's memory, which each rank finds out once all
+// have attached (at the first call); local rank 0 learns the verdicts at a later call's first
+// step, after each rank published its own.
 void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
-  agreed_ = channel_.posted(0, first_step).schedules;
+  const CallMeta& zero = channel_.posted(0, first_step);
+  agreed_ = zero.schedules;
+  agreed_shared_ = zero.shared;
+  if (cross_node_ || channel_.size() == 1) return;
+  if (!probed_) {
+    channel_.probe_peers();
+    probed_ = true;
+  }
+  if (channel_.me() == 0) {
+    const bool shared = steps() == Steps::Shared && channel_.reachable() == ShmChannel::Reach::Yes;
+    chosen_shared_ = shared ? 1 : 0;
+  }
+}
+
+std::string ShmAllreduce::shared_sizes() const {
+  if (!shared_now_.load(std::memory_order_relaxed)) return "";
+  const size_t fixed = always_one_shot_bytes();
+  return fixed ? "over " + std::to_string(fixed >> 10) + " KiB" : "at every size";
 }
 
 std::string ShmAllreduce::wide_sizes() const {

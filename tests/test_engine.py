@@ -270,8 +270,9 @@ def schedules(rank, world):
     from ddpx.engine import engine_for
 
     engine = engine_for(None)
-    assert engine.one_shot_bytes == 32 * 1024 and engine.steps == "narrow"
-    fixed = {"one-shot": ("narrow", 4096), "narrow": ("narrow", 32), "wide": ("wide", 32)}
+    assert engine.one_shot_bytes == 32 * 1024 and engine.steps == "shared"
+    fixed = {"one-shot": ("narrow", 4096), "narrow": ("narrow", 32), "wide": ("wide", 32),
+             "shared": ("shared", 32)}
     results = {}
     for name, (steps, one_shot_kb) in fixed.items():
         engine.steps, engine.one_shot_bytes = steps, one_shot_kb * 1024
@@ -311,10 +312,10 @@ def steps_battery(rank, world):
     from ddpx.engine import engine_for
 
     engine = engine_for()
-    with pytest.raises(ValueError, match="'timed', 'narrow' or 'wide', got 'fast'"):
+    with pytest.raises(ValueError, match="'timed', 'narrow', 'wide' or 'shared', got 'fast'"):
         engine.steps = "fast"
-    prints = {}
-    for steps in ("narrow", "wide", "timed"):
+    prints, described = {}, {}
+    for steps in ("narrow", "wide", "timed", "shared"):
         engine.steps = steps
         for dtype, compression in ((torch.float32, None), (torch.bfloat16, None),
                                    (torch.float32, "bf16"), (torch.float64, None)):
@@ -327,19 +328,23 @@ def steps_battery(rank, world):
                 if compression is None:
                     assert_close_to_sum(out, inputs)
                 prints[(steps, str(dtype), compression, n)] = fingerprint(out)
-    return prints, engine.describe()
+        described[steps] = engine.describe()
+    return prints, described
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_narrow_wide_and_timed_steps_give_the_same_bits_and_agree(world):
-    """Narrow (64 KiB) and wide (256 KiB) steps sum every element in rank order in float32, so
-    each gives the same bits; with timed steps, local rank 0's choice is every rank's."""
+def test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree(world):
+    """Narrow (64 KiB) and wide (256 KiB) steps, and blocks any rank sums for all in their
+    tensors, sum every element in rank order in float32, so each gives the same bits; with timed
+    steps, local rank 0's choice is every rank's."""
     runs = run_ranks(steps_battery, world, env=WIDE_STEPS)
     prints, described = runs[0]
     for key, value in prints.items():
         if key[0] != "narrow":
             assert value == prints[("narrow", *key[1:])], key
-    assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described
+    assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described["timed"]
+    assert "shared over 16 KiB (any rank sums any block for all" in described["shared"]
+    assert "shared at" not in described["narrow"]
     for other in runs[1:]:
         assert other == runs[0]
 

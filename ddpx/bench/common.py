@@ -25,6 +25,7 @@ WIRE = {
     "ddpx-oneshot": None,
     "ddpx-timed": None,
     "ddpx-wide": None,
+    "ddpx-narrow": None,
     "default": None,
     "none": None,
     "fp16": "fp16",
