@@ -4,6 +4,9 @@
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <algorithm>
+#include <iterator>
+
 #include "backend.h"
 #include "engine.h"
 #include "fused_hook.h"
@@ -19,6 +22,9 @@ namespace py = pybind11;
 
 namespace ddpx {
 namespace {
+
+// engine.steps' names, in ShmAllreduce::Steps' order.
+constexpr const char* kStepsNames[] = {"timed", "narrow", "wide", "shared", "auto"};
 
 DType kernel_dtype(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "ddpx kernels take contiguous CPU tensors");
@@ -99,20 +105,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "one_shot_bytes", [](ShmEngine& e) { return e.shm().one_shot_bytes(); },
           [](ShmEngine& e, size_t bytes) { e.shm().set_one_shot_bytes(bytes); })
       .def_property(
-          "steps",
-          [](ShmEngine& e) {
-            static const char* const names[] = {"timed", "narrow", "wide", "shared"};
-            return std::string(names[int(e.shm().steps())]);
-          },
+          "steps", [](ShmEngine& e) { return std::string(kStepsNames[int(e.shm().steps())]); },
           [](ShmEngine& e, const std::string& steps) {
-            using Steps = ShmAllreduce::Steps;
-            TORCH_CHECK_VALUE(
-                steps == "timed" || steps == "narrow" || steps == "wide" || steps == "shared",
-                "ddpx: steps must be 'timed', 'narrow', 'wide' or 'shared', got '", steps, "'");
-            e.shm().set_steps(steps == "timed"    ? Steps::Timed
-                              : steps == "narrow" ? Steps::Narrow
-                              : steps == "wide"   ? Steps::Wide
-                                                  : Steps::Shared);
+            const auto* const end = std::end(kStepsNames);
+            const auto* const found = std::find(std::begin(kStepsNames), end, steps);
+            TORCH_CHECK_VALUE(found != end,
+                              "ddpx: steps must be 'auto', 'shared', 'narrow', 'wide' or 'timed', "
+                              "got '",
+                              steps, "'");
+            e.shm().set_steps(ShmAllreduce::Steps(found - std::begin(kStepsNames)));
           })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
         const ShmAllreduce::WaitStats w = e.wait_stats();

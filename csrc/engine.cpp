@@ -8,6 +8,7 @@
 #include <sstream>
 #include <utility>
 
+#include "errors.h"
 #include "torch_compat.h"
 
 namespace ddpx {
@@ -167,13 +168,18 @@ std::string ShmEngine::describe() const {
   if (!cross_node_) {
     const std::string one_shot = shm.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
-    const std::string shared = shm.shared_sizes();
-    if (!shared.empty()) {
-      out << ", shared " << shared << " (any rank sums any block for all, in their tensors)";
-    } else if (shm.steps() == ShmAllreduce::Steps::Shared) {
+    using Steps = ShmAllreduce::Steps;
+    if (shm.steps() == Steps::Shared || shm.steps() == Steps::Auto) {
       const std::string& because = shm.channel().unreachable_because();
-      out << ", shared once every rank reaches its peers' memory"
-          << (because.empty() ? "" : " (it cannot: " + because + ")");
+      out << ", shared over " << (shm.always_one_shot_bytes() >> 10) << " KiB";
+      if (shm.steps() == Steps::Auto) {
+        out << " while a rank waits for its CPU";
+      }
+      out << " (any rank sums any block for all, in their tensors; "
+          << (!because.empty()    ? "off: " + because
+              : !shm.shared_now() ? std::string("not now")
+                                  : std::string("now"))
+          << ")";
     }
   }
   out << "; " << shm.wait_policy();

@@ -94,10 +94,13 @@ class ShmAllreduce {
   // How the all-reduce picks its schedule: in narrow (the default) or wide steps, one-shot up
   // to one_shot_bytes, or timed (by local rank 0, see time_schedule). Every rank must set the
   // same, between calls.
-  // Shared (the default): messages over the one-shot sizes go in blocks any rank sums for all
-  // (ShmChannel::claim_block), once every rank can reach its peers' memory; in narrow steps until
-  // then, or where they cannot.
-  enum class Steps { Timed, Narrow, Wide, Shared };
+  // Shared: messages over the one-shot sizes go in blocks any rank sums for all
+  // (ShmChannel::claim_block), once every rank can reach its peers' memory, in narrow steps
+  // where they cannot. Auto (the default): shared while the machine is busy (a rank of the node
+  // waited for its CPU a tenth of the time within kBusyWindow), narrow otherwise, which an idle
+  // machine runs faster (docs/under-load.md).
+  enum class Steps { Timed, Narrow, Wide, Shared, Auto };
+  static constexpr std::chrono::milliseconds kBusyWindow{1000};
   // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
   static constexpr size_t kOneShotAlways = size_t(32) << 10;
   void set_steps(Steps steps) { steps_.store(steps, std::memory_order_relaxed); }
@@ -105,7 +108,8 @@ class ShmAllreduce {
   // Which sizes the next all-reduce calls go in wide steps and one-shot for, as "a-b KiB" ranges.
   std::string wide_sizes() const;
   std::string one_shot_sizes() const;
-  std::string shared_sizes() const;
+  // Whether this call went shared (the last call, between calls).
+  bool shared_now() const { return shared_now_.load(std::memory_order_relaxed); }
   // Messages up to this size go one-shot whatever else is chosen.
   size_t always_one_shot_bytes() const;
 
@@ -260,7 +264,7 @@ class ShmAllreduce {
   std::vector<char> lane_buffer_;  // what a collective other than the all-reduce trades across
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums_;
-  std::atomic<Steps> steps_{Steps::Shared};
+  std::atomic<Steps> steps_{Steps::Auto};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint64_t> schedules_{0};
   uint64_t agreed_ = 0;  // local rank 0's mask, read at this call's first step

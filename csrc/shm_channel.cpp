@@ -39,6 +39,20 @@ constexpr auto kLostYield = std::chrono::microseconds(1000);
 constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
 constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
 constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
+// A rank that shares its core with a CPU-bound process waits for it about half the time; one
+// on an idle machine is preempted hundreds of times a second (by every short task that wakes on
+// its core while it spins) but waits for well under 1% of it.
+constexpr double kBusyDelayShare = 0.1;
+constexpr auto kDelaySpan = std::chrono::milliseconds(100);  // measured over at least this
+
+// How long the calling thread has waited on a run queue for a CPU (ns), -1 if the kernel will
+// not say (no schedstats).
+int64_t run_delay_ns() {
+  std::ifstream stat_file("/proc/thread-self/schedstat");
+  int64_t running = 0, waiting = -1;
+  stat_file >> running >> waiting;
+  return stat_file ? waiting : -1;
+}
 
 uint64_t pid_namespace() {
   struct stat st{};
@@ -87,7 +101,10 @@ struct alignas(64) ShmChannel::RankControl {
   uint64_t pid_ns;
   uint64_t probe_address;      // where this rank's probe word lies in its process
   std::atomic<int32_t> reach;  // a ShmChannel::Reach: whether this rank reaches its peers' memory
-  char message[512];           // why this rank rejected its input or aborted
+  // When this rank last found, at the start of a call, that its calling thread had waited for a
+  // CPU a good share of the time lately (steady clock): another process or thread wanted it.
+  std::atomic<int64_t> cpu_waited_ns;
+  char message[512];  // why this rank rejected its input or aborted
 };
 
 struct ShmChannel::Header {
@@ -557,6 +574,25 @@ void ShmChannel::begin_call() {
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
   oversubscribed_ = oversubscribed();
+  const auto now = Clock::now();
+  if (now - delay_since_ < kDelaySpan) return;
+  const int tid = int(gettid());
+  const int64_t delay = run_delay_ns();
+  if (tid == delay_tid_ && delay >= 0 && delay_at_ >= 0 &&
+      double(delay - delay_at_) >= kBusyDelayShare * double((now - delay_since_).count())) {
+    control_[me_].cpu_waited_ns.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+  }
+  delay_tid_ = tid;
+  delay_at_ = delay;
+  delay_since_ = now;
+}
+
+bool ShmChannel::waited_for_cpu_within(Clock::duration window) const {
+  const int64_t since = (Clock::now() - window).time_since_epoch().count();
+  for (int r = 0; r < layout_.nranks; ++r) {
+    if (control_[r].cpu_waited_ns.load(std::memory_order_relaxed) >= since) return true;
+  }
+  return false;
 }
 
 }  // namespace ddpx

@@ -99,8 +99,12 @@ class ShmChannel {
   // whose peers publish too seldom to be judged descheduled by their silence.
   void wait_all(Phase phase, uint64_t step, const std::string& what, bool wide = false);
 
-  // Raises if an earlier call failed here or on a peer; then reads this rank's binding.
+  // Raises if an earlier call failed here or on a peer; then reads this rank's binding, and how
+  // long the calling thread has waited for a CPU lately.
   void begin_call();
+  // Whether any rank of the node found itself waiting for its CPU within this long: the machine
+  // is busy, or the ranks outnumber their CPUs.
+  bool waited_for_cpu_within(Clock::duration window) const;
   // Gives up: every peer's wait ends with message, then on_fail(message) runs, then this throws
   // it (DistBackendError). The channel is unusable after this.
   [[noreturn]] void fail(const std::string& message);
@@ -188,6 +192,11 @@ class ShmChannel {
   // The word peers probe (probe_peers): this process's pid, at an address they read in control_.
   uint64_t probe_word_;
   std::string unreachable_because_;
+  // The calling thread's time on a run queue (ns, -1: unknown) when last read, which thread,
+  // and when: at least kDelaySpan apart.
+  int64_t delay_at_ = -1;
+  int delay_tid_ = 0;
+  Clock::time_point delay_since_{};
 };
 
 }  // namespace ddpx

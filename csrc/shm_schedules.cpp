@@ -135,9 +135,10 @@ CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, in
                   int32_t(op), root,  chosen_, torch_dtype, chosen_shared_};
 }
 
-// Shared calls need every rank to reach every peer's memory, which each rank finds out once all
-// have attached (at the first call); local rank 0 learns the verdicts at a later call's first
-// step, after each rank published its own.
+// Shared calls go always (Steps::Shared) or while the machine is busy (Steps::Auto: a rank
+// waited for its CPU within kBusyWindow), and need every rank to
+// reach every peer's memory, which each rank finds out once all have attached (at the first call);
+// local rank 0 learns the verdicts at a later call's first step, after each rank published its own.
 void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
   const CallMeta& zero = channel_.posted(0, first_step);
   agreed_ = zero.schedules;
@@ -148,15 +149,11 @@ void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
     probed_ = true;
   }
   if (channel_.me() == 0) {
-    const bool shared = steps() == Steps::Shared && channel_.reachable() == ShmChannel::Reach::Yes;
+    const bool wanted = steps() == Steps::Shared ||
+                        (steps() == Steps::Auto && channel_.waited_for_cpu_within(kBusyWindow));
+    const bool shared = wanted && channel_.reachable() == ShmChannel::Reach::Yes;
     chosen_shared_ = shared ? 1 : 0;
   }
-}
-
-std::string ShmAllreduce::shared_sizes() const {
-  if (!shared_now_.load(std::memory_order_relaxed)) return "";
-  const size_t fixed = always_one_shot_bytes();
-  return fixed ? "over " + std::to_string(fixed >> 10) + " KiB" : "at every size";
 }
 
 std::string ShmAllreduce::wide_sizes() const {

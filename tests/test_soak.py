@@ -22,8 +22,8 @@ DEAD_PEER_S = 10.0
 
 
 def _numel(rng: torch.Generator) -> int:
-    """Log-uniform from 1 element to 8 Mi (32 MB of float32): one-shot, two-phase, narrow and
-    wide steps."""
+    """Log-uniform from 1 element to 8 Mi (32 MB of float32): one-shot, and shared blocks from
+    one to 128 of them."""
     return int(2 ** (torch.rand(1, generator=rng).item() * 23))
 
 

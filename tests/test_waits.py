@@ -147,6 +147,9 @@ def test_bound_busy_machine_no_yields(busy_machine):
         check_bounded(stats, elapsed, 2)
         assert stats["waits"] > 0, "the load did not make any rank wait: the test shows nothing"
         assert "spin up to 500 us (this rank is bound apart from its peers)" in described
+        # Each rank waits for its core about half the time: large calls go shared.
+        assert "shared over 32 KiB while a rank waits for its CPU (any rank sums any block for " \
+               "all, in their tensors; now)" in described
 
 
 def rebound_yields(rank, world):
@@ -160,7 +163,8 @@ def rebound_yields(rank, world):
         if bind:
             _bind(0)
         before = engine.wait_stats["yields"]
-        for _ in range(200):
+        # Long enough for the ranks to measure how long they wait for their CPUs (every 0.1 s).
+        for _ in range(30_000):
             ddpx.all_reduce(torch.ones(1024))
         yields.append(engine.wait_stats["yields"] - before)
         described.append(engine.describe())
@@ -176,6 +180,9 @@ def test_ranks_rebound_to_one_cpu_yield_to_each_other():
         assert unbound == 0
         assert "spin up to 50 us, less once" in free
         assert "waits yield first (2 ranks may run on 1 CPUs)" in together
+        # Idle, a rank seldom waits for its CPU; sharing one, each waits while the other runs.
+        assert "in their tensors; not now)" in free
+        assert "in their tensors; now)" in together
     assert sum(bound for (_, bound), _ in results) > 0
 
 

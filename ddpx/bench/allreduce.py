@@ -19,12 +19,13 @@ inference_all_reduce, called directly; its first use compiles it, about a minute
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, before any timing), and `copy`, which is
 not an all-reduce: every rank at once copies its tensor into a buffer of the same size, the least
 memory traffic (read the tensor, write a result) any in-place all-reduce needs, a floor to read
-the others against (it is timed, not checked). Four more, not run unless named, ddpx with
-another schedule than its default (one-shot up to 32 KiB, above it blocks that any rank sums for
-all, straight from and into the ranks' tensors; docs/under-load.md): `ddpx-narrow`, slices in
-256 KiB steps through shared memory (the default where the ranks cannot reach each other's
-memory); `ddpx-oneshot`, every rank sums whole blocks up to 4 MiB; `ddpx-wide`, slices in 4 MiB
-steps; `ddpx-timed`, local rank 0 timing narrow, wide and one-shot per size as it runs. Engines
+the others against (it is timed, not checked). Five more, not run unless named, ddpx with
+another schedule than its default (one-shot up to 32 KiB; above it, while a rank waits for its
+CPU, blocks that any rank sums for all straight from and into the ranks' tensors, else slices
+in 256 KiB steps through shared memory; docs/under-load.md): `ddpx-shared`, the blocks on any
+machine; `ddpx-narrow`, the slices on any machine; `ddpx-oneshot`, every rank sums whole blocks
+up to 4 MiB; `ddpx-wide`, slices in 4 MiB steps; `ddpx-timed`, local rank 0 timing narrow, wide
+and one-shot per size as it runs. Engines
 that do not work here are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
 simulated nodes as one machine; the fixed schedules with --nodes, which always split).
@@ -89,8 +90,9 @@ from ddpx.bench.report import (
 )
 from ddpx.engine import cross_chunk_bytes, engine_for
 
-# ddpx with another schedule than its default (one-shot up to 32 KiB, shared blocks above):
-# (the engine's settings, why a run across nodes leaves it out).
+# ddpx with another schedule than its default (one-shot up to 32 KiB; above it shared blocks on
+# a busy machine, narrow steps on an idle one): (the engine's settings, why a run across nodes
+# leaves it out).
 _NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
 _NARROW_ACROSS = "across nodes every step is narrow"
 SCHEDULES = {
@@ -98,6 +100,7 @@ SCHEDULES = {
     "ddpx-wide": ({"steps": "wide"}, _NARROW_ACROSS),
     "ddpx-timed": ({"steps": "timed", "one_shot_bytes": 4096 * 1024}, _NARROW_ACROSS),
     "ddpx-narrow": ({"steps": "narrow"}, _NARROW_ACROSS),
+    "ddpx-shared": ({"steps": "shared"}, _NARROW_ACROSS),
 }
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'

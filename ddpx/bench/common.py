@@ -26,6 +26,7 @@ WIRE = {
     "ddpx-timed": None,
     "ddpx-wide": None,
     "ddpx-narrow": None,
+    "ddpx-shared": None,
     "default": None,
     "none": None,
     "fp16": "fp16",
