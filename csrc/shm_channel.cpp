@@ -54,6 +54,16 @@ int64_t run_delay_ns() {
   return stat_file ? waiting : -1;
 }
 
+// Adds a wait's time to total_ns however the wait ends: ready, or an error.
+struct TimedWait {
+  std::chrono::steady_clock::time_point start;
+  std::atomic<uint64_t>& total_ns;
+  ~TimedWait() {
+    const auto ns = std::chrono::nanoseconds(std::chrono::steady_clock::now() - start).count();
+    total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
+  }
+};
+
 uint64_t pid_namespace() {
   struct stat st{};
   return stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
@@ -365,15 +375,7 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
   if (peers_at(phase, step)) return;
   waits_.fetch_add(1, std::memory_order_relaxed);
   const auto start = Clock::now();
-  // Counts the wait's time however it ends: ready, or an error.
-  struct Timed {
-    Clock::time_point start;
-    std::atomic<uint64_t>& total_ns;
-    ~Timed() {
-      const auto ns = std::chrono::nanoseconds(Clock::now() - start).count();
-      total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
-    }
-  } timed{start, waited_ns_};
+  const TimedWait timed{start, waited_ns_};
   if (oversubscribed_ && start >= yields_banned_until_) {
     if (yield_while_cheap(phase, step, start)) return;
   } else if (spin_while_running(phase, step, start, wide)) {
@@ -450,14 +452,7 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
   if (done()) return;
   waits_.fetch_add(1, std::memory_order_relaxed);
   const auto start = Clock::now();
-  struct Timed {
-    Clock::time_point start;
-    std::atomic<uint64_t>& total_ns;
-    ~Timed() {
-      const auto ns = std::chrono::nanoseconds(Clock::now() - start).count();
-      total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
-    }
-  } timed{start, waited_ns_};
+  const TimedWait timed{start, waited_ns_};
   if (!oversubscribed_) {
     const int cpu = sched_getcpu();
     bool apart = true;

@@ -1,8 +1,9 @@
-"""A soak on a busy machine (a CPU-bound process on every core): two ranks bound to a core each,
-two threads per rank, each on its own group (ddpx.all_reduce on the world's shared-memory engine;
-torch.distributed collectives on a group of ddpx's backend), random sizes and dtypes, every
-result checked exactly against its integer reference; then one rank is SIGKILLed and the other
-must get an error naming it, not a hang. 10 s by default; `-m slow` soaks for ten minutes."""
+"""A soak on a busy machine (a CPU-bound process on every core), where large all-reduces go in
+shared blocks: two ranks bound to a core each, two threads per rank, each on its own group
+(ddpx.all_reduce on the world's shared-memory engine; torch.distributed collectives on a group of
+ddpx's backend), random sizes and dtypes, every result checked exactly against its integer
+reference; then one rank is SIGKILLed and the other must get an error naming it, not a hang.
+10 s by default; `-m slow` soaks for ten minutes."""
 
 import json
 import os
@@ -96,6 +97,7 @@ def soak(rank, world, seconds, out_dir):
     import torch.distributed as dist
 
     import ddpx
+    from ddpx.engine import engine_for
 
     os.sched_setaffinity(0, {rank % CPUS})  # as mpirun binds 2 ranks; the threads inherit it
     group = dist.new_group(backend="ddpx")
@@ -118,7 +120,8 @@ def soak(rank, world, seconds, out_dir):
     for t in threads:
         t.join()
     ddpx.all_reduce(torch.ones(8))  # both threads are done on every rank
-    result = {"counts": counts, "wrong": wrong, "failures": failures}
+    result = {"counts": counts, "wrong": wrong, "failures": failures,
+              "described": engine_for().describe()}
     if rank == world - 1:
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -145,6 +148,8 @@ def _soak_and_kill(seconds, tmp_path, busy_machine):
         assert result["wrong"] == {"world": 0, "group": 0}
         assert result["counts"]["world"] > 10 and result["counts"]["group"] > 10
     assert victim["counts"] == survivor["counts"]
+    # Each rank waits for its core: the large all-reduces went in shared blocks.
+    assert "in their tensors; now)" in survivor["described"]
     assert "rank 1" in survivor["dead_peer"] and "exited" in survivor["dead_peer"]
     assert survivor["dead_peer_s"] < DEAD_PEER_S
     assert shm_segments() == before
