@@ -41,7 +41,7 @@ _BLOCK_KB = settings.positive_int("DDPX_BLOCK_KB")
 _WIDE_KB = settings.positive_int("DDPX_WIDE_KB")
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
 # each with a second exchange (two-phase): above 32 KiB, narrow two-phase steps were the fastest
-# schedule here idle and busy, in every launch measured (docs/under-load.md).
+# schedule here idle, in every launch measured; busy, the shared blocks (docs/under-load.md).
 _ONE_SHOT_KB = settings.positive_int("DDPX_ONE_SHOT_KB")
 # Across nodes (docs/benchmarks.md, "Across a network"): slices cross in chunks of this much of
 # the message, taking turns on this many lanes (two process groups each), so the link never waits
