@@ -236,6 +236,7 @@ class ShmAllreduce {
   // The schedules local rank 0 times. Size class k holds the all-reduces of (2^k, 2^(k+1)]
   // bytes in the wire dtype; a schedule mask has bit k of its low word set when class k goes
   // wide, of its high word when it goes one-shot, neither for narrow two-phase steps.
+  // kShared is not timed: it comes after the timed ones, out of ScheduleTimes' arrays.
   enum Schedule { kNarrow, kWide, kOneShot, kSchedules, kShared = kSchedules };
   static constexpr int kClasses = 32;
   static int size_class(size_t bytes);

@@ -272,9 +272,13 @@ bool ShmChannel::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
   return false;
 }
 
+bool ShmChannel::may_run_on(int rank, int cpu) const {
+  return cpu < 0 || CPU_ISSET(cpu, &control_[rank].allowed);
+}
+
 bool ShmChannel::awaited_may_run_on(Phase phase, uint64_t step, int cpu) const {
   for (int r = 0; r < layout_.nranks; ++r) {
-    if (behind(r, phase, step) && (cpu < 0 || CPU_ISSET(cpu, &control_[r].allowed))) return true;
+    if (behind(r, phase, step) && may_run_on(r, cpu)) return true;
   }
   return false;
 }
@@ -381,7 +385,7 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
   } else if (spin_while_running(phase, step, start, wide)) {
     return;
   }
-  const auto timeout = call_timeout_.count() > 0 ? call_timeout_ : timeout_;
+  const auto timeout = wait_timeout();
   const auto deadline = start + timeout;
   while (true) {
     check_not_aborted();
@@ -457,7 +461,7 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
     const int cpu = sched_getcpu();
     bool apart = true;
     for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && (cpu < 0 || CPU_ISSET(cpu, &control_[r].allowed))) apart = false;
+      if (r != me_ && may_run_on(r, cpu)) apart = false;
     }
     const auto spin_for = apart ? kSpinApart : kSpinFor;
     do {
@@ -467,7 +471,7 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
       }
     } while (Clock::now() - start < spin_for);
   }
-  const auto timeout = call_timeout_.count() > 0 ? call_timeout_ : timeout_;
+  const auto timeout = wait_timeout();
   const auto deadline = start + timeout;
   while (true) {
     check_not_aborted();
@@ -494,35 +498,32 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
   }
 }
 
-void ShmChannel::peer_copy_failed(const char* verb, int rank, size_t bytes,
-                                  const std::string& what) {
-  const int error = errno;
-  fail("ddpx: " + rank_name(me_) + " could not " + verb + " " + std::to_string(bytes) +
-       " bytes of " + rank_name(rank) + "'s tensor (pid " + std::to_string(control_[rank].pid) +
-       ") for " + what + ": " + std::strerror(error) +
-       (error == ESRCH ? " (the process has exited)" : ""));
+void ShmChannel::copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
+                                uint64_t remote_address, size_t bytes, const std::string& what) {
+  for (size_t done = 0; done < bytes;) {
+    iovec local{static_cast<char*>(local_bytes) + done, bytes - done};
+    iovec remote{reinterpret_cast<void*>(remote_address + done), bytes - done};
+    const ssize_t n = copy(control_[rank].pid, &local, 1, &remote, 1, 0);
+    if (n <= 0) {
+      const int error = errno;
+      fail("ddpx: " + rank_name(me_) + " could not " + verb + " " + std::to_string(bytes) +
+           " bytes of " + rank_name(rank) + "'s tensor (pid " + std::to_string(control_[rank].pid) +
+           ") for " + what + ": " + std::strerror(error) +
+           (error == ESRCH ? " (the process has exited)" : ""));
+    }
+    done += size_t(n);
+  }
 }
 
 void ShmChannel::read_peer(int rank, void* to, uint64_t from, size_t bytes,
                            const std::string& what) {
-  for (size_t done = 0; done < bytes;) {
-    iovec local{static_cast<char*>(to) + done, bytes - done};
-    iovec remote{reinterpret_cast<void*>(from + done), bytes - done};
-    const ssize_t n = process_vm_readv(control_[rank].pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) peer_copy_failed("read", rank, bytes, what);
-    done += size_t(n);
-  }
+  copy_with_peer(process_vm_readv, "read", rank, to, from, bytes, what);
 }
 
 void ShmChannel::write_peer(int rank, uint64_t to, const void* from, size_t bytes,
                             const std::string& what) {
-  for (size_t done = 0; done < bytes;) {
-    iovec local{const_cast<char*>(static_cast<const char*>(from)) + done, bytes - done};
-    iovec remote{reinterpret_cast<void*>(to + done), bytes - done};
-    const ssize_t n = process_vm_writev(control_[rank].pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) peer_copy_failed("write", rank, bytes, what);
-    done += size_t(n);
-  }
+  // process_vm_writev only reads the local bytes.
+  copy_with_peer(process_vm_writev, "write", rank, const_cast<void*>(from), to, bytes, what);
 }
 
 void ShmChannel::probe_peers() {
@@ -532,7 +533,7 @@ void ShmChannel::probe_peers() {
     const RankControl& peer = control_[r];
     if (peer.pid_ns != control_[me_].pid_ns) {
       because = rank_name(r) + " runs in another pid namespace";
-      break;
+      continue;
     }
     uint64_t word = 0;
     errno = 0;

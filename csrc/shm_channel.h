@@ -15,6 +15,7 @@
 #pragma once
 
 #include <sched.h>
+#include <sys/uio.h>
 
 #include <atomic>
 #include <chrono>
@@ -170,9 +171,18 @@ class ShmChannel {
   bool yield_while_cheap(Phase phase, uint64_t step, Clock::time_point start);
   bool spin_while_running(Phase phase, uint64_t step, Clock::time_point start, bool wide);
   void check_not_aborted() const;
-  // The way to a peer's memory failed: names the cause and fails the channel.
-  [[noreturn]] void peer_copy_failed(const char* verb, int rank, size_t bytes,
-                                     const std::string& what);
+  // Copies bytes between local_bytes here and remote_address in local rank `rank`'s process
+  // with process_vm_readv or process_vm_writev; a refusal fails the channel, naming the cause.
+  using PeerCopy = ssize_t (*)(pid_t, const iovec*, unsigned long, const iovec*, unsigned long,
+                               unsigned long);
+  void copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
+                      uint64_t remote_address, size_t bytes, const std::string& what);
+  // Whether local rank `rank`'s binding lets it run on cpu (true when cpu is unknown, < 0).
+  bool may_run_on(int rank, int cpu) const;
+  // What bounds a wait: the call's timeout, if one is set, else the channel's.
+  std::chrono::milliseconds wait_timeout() const {
+    return call_timeout_.count() > 0 ? call_timeout_ : timeout_;
+  }
 
   std::shared_ptr<ShmSegment> segment_;
   ShmLayout layout_;

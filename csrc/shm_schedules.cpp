@@ -136,9 +136,9 @@ CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, in
 }
 
 // Shared calls go always (Steps::Shared) or while the machine is busy (Steps::Auto: a rank
-// waited for its CPU within kBusyWindow), and need every rank to
-// reach every peer's memory, which each rank finds out once all have attached (at the first call);
-// local rank 0 learns the verdicts at a later call's first step, after each rank published its own.
+// waited for its CPU within kBusyWindow), and need every rank to reach every peer's memory,
+// which each rank finds out once all have attached (at the first call); local rank 0 learns the
+// verdicts at a later call's first step, after each rank published its own.
 void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
   const CallMeta& zero = channel_.posted(0, first_step);
   agreed_ = zero.schedules;
