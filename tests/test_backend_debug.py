@@ -33,7 +33,8 @@ def _sequence_numbers(rank, world):
     return seen
 
 
-@pytest.mark.parametrize("env", [{}, DETAIL], ids=["plain", "debug-detail"])
+@pytest.mark.parametrize("env", [pytest.param({}, marks=pytest.mark.slow), DETAIL],
+                         ids=["plain", "debug-detail"])
 def test_sequence_numbers_count_calls_as_gloo_does(env):
     """One per call of the backend, p2p included, the same numbers as gloo's, and groups made
     under DETAIL (where torch wraps the backend and needs the numbers)."""

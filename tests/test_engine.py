@@ -227,6 +227,7 @@ def test_needs_an_initialized_process_group():
         ddpx.all_reduce(torch.ones(2))
 
 
+@pytest.mark.slow  # 16 s; a 1 GiB call runs by default (test_thousands_of_small_calls...)
 def test_a_tensor_over_2_gib():
     run_ranks(huge, 2, timeout=600)
 
@@ -290,7 +291,7 @@ def schedules(rank, world):
     return engine.describe(), results
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_one_shot_narrow_wide_and_timed_give_the_same_bits_and_agree(world):
     """One-shot and two-phase (narrow or wide) sum every element in rank order in float32, so
     each gives the same bits, whichever local rank 0 picks call by call as it times them; every
@@ -332,7 +333,7 @@ def steps_battery(rank, world):
     return prints, described
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree(world):
     """Narrow (64 KiB) and wide (256 KiB) steps, and blocks any rank sums for all in their
     tensors, sum every element in rank order in float32, so each gives the same bits; with timed

@@ -131,6 +131,7 @@ def test_every_step_runs_and_reports_without_a_gpu(tmp_path):
     assert "comm path: ddpx shared-memory engine, 2 local ranks" in trained, trained
 
 
+@pytest.mark.slow  # 26 s: its tests step runs out a 38 s budget
 def test_missing_tools_come_first_and_a_cut_off_step_still_reports_each_test(tmp_path):
     """ninja and accelerate missing (a ninja on PATH that fails, and modules that do not
     import), a tests step that outlives a 38 s budget: the preflight names what is missing

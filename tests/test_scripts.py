@@ -209,8 +209,8 @@ def uninterrupted(tmp_path_factory):
     return final_state(stdout)
 
 
-@pytest.mark.parametrize(
-    "mode", ["plain", pytest.param("accelerate_state", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 24 s with its uninterrupted run; test_checkpoint_cycle_by_default stays
+@pytest.mark.parametrize("mode", ["plain", "accelerate_state"])
 def test_checkpoint_resume(uninterrupted, mode, tmp_path):
     """Half the steps, a checkpoint, a new launch resuming it: the same end, bit for bit.
 
