@@ -22,8 +22,12 @@ namespace {
 // Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
 // ways and is still summed in float32: an all-to-all deals each node one piece of every node's
 // chunk, each rank sums its piece over the nodes in node order and rounds the sum once, and an
-// all-gather hands the pieces back. Every rank holding the chunk ends with the same bits, and the
-// bytes on the network are those of the wire dtype.
+// all-gather hands the pieces back. Between two nodes one all-gather of the whole chunk carries
+// the same bytes in one round instead of two, and each node sums both chunks in node order and
+// rounds once: 1 MiB in bf16 across 2 nodes x 2 ranks at 1 Gbit/s took 8.4-10.3 ms against
+// 11.1-13.6 dealt and gathered. (Uncompressed, that all-gather was slower than gloo's all-reduce:
+// 4 MiB 54 ms against 40.) Every rank holding the chunk ends with the same bits, and the bytes on
+// the network are those of the wire dtype.
 //
 // Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
 // starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt
@@ -93,11 +97,19 @@ class ProcessGroupCrossNode final : public CrossNode {
     const size_t lane = 2 * (next_lane_++ % (groups_.size() / 2));
     if (wire == acc) {
       const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
-      std::vector<at::Tensor> tensors{
-          at::from_blob(chunk->data.get(), {n}, at::TensorOptions().dtype(dtype))};
+      std::vector<at::Tensor> tensors{over(chunk->data, n, dtype)};
       c10d::AllreduceOptions opts;
       opts.timeout = timeout_;
       chunk->work = groups_[lane]->allreduce(tensors, opts);
+      pending_.push_back(std::move(chunk));
+      return;
+    }
+    if (nodes_ == 2) {
+      const int64_t bytes = n * int64_t(dtype_size(wire));
+      chunk->dealt = at::empty({bytes}, at::kByte);
+      kernels().pack(chunk->dealt.data_ptr(), wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
+      chunk->received = at::empty({2 * bytes}, at::kByte);
+      chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
       pending_.push_back(std::move(chunk));
       return;
     }
@@ -189,6 +201,17 @@ class ProcessGroupCrossNode final : public CrossNode {
       count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
       return;
     }
+    if (nodes_ == 2) {
+      link_->watch->await(*chunk->work);
+      const char* received = static_cast<const char*>(chunk->received.data_ptr());
+      const void* both[2] = {received, received + chunk->n * wire_size};
+      kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n,
+                       Store::Cached);
+      kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
+                     1.0, Store::Cached);
+      count(chunk->n * wire_size);
+      return;
+    }
     chunk->gathering.get();  // the link thread's failure, if it had one
     link_->watch->await(*chunk->work);
     kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
@@ -201,7 +224,9 @@ class ProcessGroupCrossNode final : public CrossNode {
     std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
     DType acc, wire;
     int64_t n = 0, piece = 0;
-    at::Tensor dealt, received, mine;     // compressed: the wire-dtype pieces
+    // Compressed: the wire-dtype pieces dealt, received and summed (between two nodes, this
+    // node's chunk and then the sum, and both nodes' chunks).
+    at::Tensor dealt, received, mine;
     c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
     std::promise<void> gathering_started;  // set by the link thread once work gathers
@@ -259,6 +284,15 @@ class ProcessGroupCrossNode final : public CrossNode {
   }
 
   static at::Tensor bytes_like(size_t bytes) { return at::empty({int64_t(bytes)}, at::kByte); }
+
+  // A tensor over data that keeps it alive: a transfer that a failure abandons may still read it
+  // from gloo's thread after the call has thrown and the engine that owns it is gone (ranks
+  // exiting on test_network's cut link died of SIGSEGV in 2 launches of 5 while an all-gather
+  // read a chunk so, unowned; the all-reduce reads it the same way).
+  static at::Tensor over(const std::shared_ptr<void>& data, int64_t n, at::ScalarType dtype) {
+    return at::from_blob(
+        data.get(), {n}, [keep = data](void*) {}, at::TensorOptions().dtype(dtype));
+  }
 
   void abort(const std::string& why) noexcept override { link_->watch->give_up(why); }
 
