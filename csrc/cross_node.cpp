@@ -104,24 +104,22 @@ class ProcessGroupCrossNode final : public CrossNode {
       pending_.push_back(std::move(chunk));
       return;
     }
+    const int64_t wire_size = int64_t(dtype_size(wire));
+    chunk->piece = (n + nodes_ - 1) / nodes_;
+    // Between two nodes the chunk crosses whole; among more, in one padded piece per node.
+    const int64_t bytes = (nodes_ == 2 ? n : nodes_ * chunk->piece) * wire_size;
+    chunk->dealt = at::empty({bytes}, at::kByte);
+    char* out = static_cast<char*>(chunk->dealt.data_ptr());
+    kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
+    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     if (nodes_ == 2) {
-      const int64_t bytes = n * int64_t(dtype_size(wire));
-      chunk->dealt = at::empty({bytes}, at::kByte);
-      kernels().pack(chunk->dealt.data_ptr(), wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
       chunk->received = at::empty({2 * bytes}, at::kByte);
       chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
       pending_.push_back(std::move(chunk));
       return;
     }
-    const int64_t wire_size = int64_t(dtype_size(wire));
-    chunk->piece = (n + nodes_ - 1) / nodes_;
-    const int64_t bytes = nodes_ * chunk->piece * wire_size;
-    chunk->dealt = at::empty({bytes}, at::kByte);
     chunk->received = at::empty({bytes}, at::kByte);
     chunk->mine = at::empty({chunk->piece * wire_size}, at::kByte);
-    char* out = static_cast<char*>(chunk->dealt.data_ptr());
-    kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
-    std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     chunk->gathering_group = groups_[lane + 1];
     chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
     chunk->gathering = chunk->gathering_started.get_future();
@@ -207,16 +205,13 @@ class ProcessGroupCrossNode final : public CrossNode {
       const void* both[2] = {received, received + chunk->n * wire_size};
       kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n,
                        Store::Cached);
-      kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
-                     1.0, Store::Cached);
-      count(chunk->n * wire_size);
-      return;
+    } else {
+      chunk->gathering.get();  // the link thread's failure, if it had one
+      link_->watch->await(*chunk->work);
     }
-    chunk->gathering.get();  // the link thread's failure, if it had one
-    link_->watch->await(*chunk->work);
     kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
                    1.0, Store::Cached);
-    count(2 * (nodes_ - 1) * chunk->piece * wire_size);
+    count(nodes_ == 2 ? chunk->n * wire_size : 2 * (nodes_ - 1) * chunk->piece * wire_size);
   }
 
  private:

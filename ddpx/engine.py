@@ -411,7 +411,7 @@ def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
 
 
 # What torch.compiler.assume_constant_result sets, and all it does; calling it would import
-# torch._dynamo, which made `import ddpx` take 1 s longer on 2 cores (3.1 s against 2.1), in every
+# torch._dynamo, which made `import ddpx` take 3.1-3.6 s on 2 cores against 1.7-1.9, in every
 # rank of every job. torch marks its own functions so (torch/_dynamo/decorators.py), and
 # tests/test_compile.py fails if the mark stops keeping the call out of the graph.
 _operator_group._dynamo_marked_constant = True
