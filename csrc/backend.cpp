@@ -299,14 +299,20 @@ void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
 
 }  // namespace
 
-Backend::Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
-                 std::shared_ptr<ShmEngine> engine, std::string why_not)
+Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
+                 c10::intrusive_ptr<c10d::Backend> gloo, std::shared_ptr<ShmEngine> engine,
+                 std::string why_not)
     : c10d::Backend(rank, size),
+      timeout_(timeout),
       gloo_(std::move(gloo)),
       engine_(std::move(engine)),
       why_not_(std::move(why_not)) {
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
   if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->shm().channel());
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> Backend::options() const {
+  return c10::make_intrusive<Options>(getBackendName(), timeout_);
 }
 
 void Backend::count(const char* name, Route route) {

@@ -16,6 +16,7 @@
 
 #include "engine.h"
 #include "shm_p2p.h"
+#include "torch_compat.h"
 
 namespace ddpx {
 
@@ -23,10 +24,18 @@ class Backend final : public c10d::Backend {
  public:
   // engine is null where shared memory cannot serve the group (why_not says why): then every
   // collective goes to gloo.
-  Backend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
-          std::shared_ptr<ShmEngine> engine, std::string why_not);
+  Backend(int rank, int size, std::chrono::milliseconds timeout,
+          c10::intrusive_ptr<c10d::Backend> gloo, std::shared_ptr<ShmEngine> engine,
+          std::string why_not);
 
   const std::string getBackendName() const override { return "ddpx"; }
+  // The group's options as init_process_group and new_group gave them (its timeout above all),
+  // which torch.distributed and ddpx's own hook read from a group's backend (torch declares
+  // getBackendOptions from 2.9 on; Python reads `options` on any torch).
+  c10::intrusive_ptr<Options> options() const;
+#if DDPX_TORCH_AT_LEAST_2_9
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options(); }
+#endif
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -131,6 +140,7 @@ class Backend final : public c10d::Backend {
   Step rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
                    bool to_root, std::string what) const;
 
+  const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<ShmEngine> engine_;
   std::unique_ptr<ShmPointToPoint> p2p_;  // after engine_: its rings are in the engine's segment

@@ -1,5 +1,6 @@
 // Python bindings of ddpx._C. Policy (which engine, which group, when to fall back) lives in the
 // Python package; this file only exposes the pieces.
+#include <pybind11/chrono.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -154,14 +155,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("abort_key") = std::string(), py::arg("node_ranks") = std::vector<int>());
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
-      .def(py::init([](int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo,
-                       std::shared_ptr<ShmEngine> engine, std::string why_not) {
-             return c10::make_intrusive<Backend>(rank, size, std::move(gloo), std::move(engine),
-                                                 std::move(why_not));
+      .def(py::init([](int rank, int size, std::chrono::milliseconds timeout,
+                       c10::intrusive_ptr<c10d::Backend> gloo, std::shared_ptr<ShmEngine> engine,
+                       std::string why_not) {
+             return c10::make_intrusive<Backend>(rank, size, timeout, std::move(gloo),
+                                                 std::move(engine), std::move(why_not));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("gloo"), py::arg("engine"),
+           py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"), py::arg("engine"),
            py::arg("why_not") = std::string())
       .def("describe", &Backend::describe)
+      .def_property_readonly("options", &Backend::options)
       .def("routes", [](const Backend& b) {
         py::dict out;
         for (const auto& [name, counts] : b.routes()) {

@@ -12,6 +12,8 @@ namespace ddpx {
 
 #define DDPX_TORCH_AT_LEAST_2_13 \
   (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#define DDPX_TORCH_AT_LEAST_2_9 \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9))
 
 // PREMUL_SUM's factor: torch 2.13 names it PreMulSumSupplement (the old name an alias kept for
 // now), torch 2.11 only NCCLPreMulSumSupplement.

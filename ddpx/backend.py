@@ -70,7 +70,7 @@ def _create_backend(options, _backend_options):
         why_not = str(why)
         if rank == 0:
             logger.warning("ddpx: %s; the ddpx backend runs every collective on gloo", why_not)
-    return extension().Backend(rank, size, gloo, engine, why_not)
+    return extension().Backend(rank, size, timeout, gloo, engine, why_not)
 
 
 def register() -> None:

@@ -90,7 +90,10 @@ def resolve_group(group):
     return group
 
 
-def _group_timeout(group, device: str = "cpu") -> timedelta:
+def group_timeout(group, device: str = "cpu") -> timedelta:
+    """The timeout ``group`` was made with, for its ``device`` tensors' backend: gloo's, NCCL's
+    and ddpx's own (under TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper too); torch's default for a
+    backend that does not say."""
     try:
         return group._get_backend(torch.device(device)).options._timeout
     except (AttributeError, RuntimeError):
@@ -102,7 +105,7 @@ def group_with_timeout(group, device: str, timeout: timedelta | None):
     backend for ``device`` tensors made with that timeout (collectively, by the group's ranks
     alone). NCCL reads no per-call timeout (its watchdog bounds each collective by the group's),
     nor does gloo's all-to-all: a timeout of the engine's own is its group's."""
-    if timeout is None or timeout == _group_timeout(group, device):
+    if timeout is None or timeout == group_timeout(group, device):
         return group
     backend = group._get_backend(torch.device(device)).name()
     return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend=backend,
@@ -320,7 +323,7 @@ def create_node_engine(meeting: _Meeting, me: int, ranks: list[int], timeout: ti
 
 
 def _create_engine(group, timeout: timedelta | None):
-    timeout = timeout if timeout is not None else _group_timeout(group)
+    timeout = timeout if timeout is not None else group_timeout(group)
     me = dist.get_rank(group)
     try:
         return create_node_engine(_Meeting.of_group(group), me,

@@ -5,11 +5,12 @@ import gc
 import os
 import shlex
 import sys
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, InitProcessGroupKwargs
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -50,6 +51,10 @@ def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
         help="the process group's backend: Accelerate's choice (gloo on CPU, NCCL on GPUs), or "
              "ddpx's for CPU tensors (with NCCL for CUDA tensors), which every collective of "
              "the job then uses")
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS",
+        help="how long a rank waits for a stopped or dead peer before it raises (the process "
+             "group's timeout; default: torch's, 30 minutes)")
     return parser
 
 
@@ -65,9 +70,10 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
     # Accelerate takes no backend of its own on CPU (InitProcessGroupKwargs(backend="ddpx") is
     # refused as "not available"), and uses the process group it finds initialized.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    timeout = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
     if args.backend == "ddpx" and launched and not dist.is_initialized():
-        dist.init_process_group("ddpx" if cpu else "cpu:ddpx,cuda:nccl")
-    return Accelerator(cpu=cpu)
+        dist.init_process_group("ddpx" if cpu else "cpu:ddpx,cuda:nccl", **timeout)
+    return Accelerator(cpu=cpu, kwargs_handlers=[InitProcessGroupKwargs(**timeout)])
 
 
 def whole_lines(stream) -> None:
