@@ -48,6 +48,7 @@ _ONE_SHOT_KB = settings.positive_int("DDPX_ONE_SHOT_KB")
 # for the node.
 _CROSS_CHUNK_KB = settings.positive_int("DDPX_CROSS_CHUNK_KB")
 _CROSS_LANES = settings.positive_int("DDPX_CROSS_LANES")
+_SHM_MB = None if settings.value("DDPX_SHM_MB") is None else settings.positive_int("DDPX_SHM_MB")
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
@@ -173,19 +174,23 @@ class _Meeting:
 
 def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
     """The segment and its wide block: the one asked for, halved while it would take more than
-    half of what /dev/shm has free, down to the block itself."""
+    half of what /dev/shm has free (or more than DDPX_SHM_MB), down to the block itself."""
     C = extension()
     _remove_stale_segments()
     free = _shm_free_bytes()
+    room = free // 2 if _SHM_MB is None else _SHM_MB << 20
     wide_bytes = max(wide_bytes, block_bytes) // block_bytes * block_bytes
     while (wide_bytes > block_bytes
-           and C.shm_segment_bytes(size, block_bytes, wide_bytes) > free // 2):
+           and C.shm_segment_bytes(size, block_bytes, wide_bytes) > room):
         wide_bytes = max(block_bytes, wide_bytes // 2 // block_bytes * block_bytes)
     nbytes = C.shm_segment_bytes(size, block_bytes, wide_bytes)
+    needs = f"the shared-memory engine needs {(nbytes >> 20) + 1} MiB for {size} ranks"
+    if _SHM_MB is not None and nbytes > _SHM_MB << 20:
+        raise RuntimeError(f"DDPX_SHM_MB={_SHM_MB} lets a segment take {_SHM_MB} MiB of /dev/shm "
+                           f"and {needs}: unset DDPX_SHM_MB, or raise it")
     if free < nbytes + (1 << 20):
         raise RuntimeError(
-            f"/dev/shm has {free >> 20} MiB free and the shared-memory engine needs "
-            f"{(nbytes >> 20) + 1} MiB for {size} ranks: start the container with a larger "
+            f"/dev/shm has {free >> 20} MiB free and {needs}: start the container with a larger "
             "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
         )
     return C.ShmSegment.create(name, nbytes), wide_bytes

@@ -29,6 +29,9 @@ SETTINGS = (
             "across nodes: how much of a message crosses per chunk of the pipeline"),
     Setting("DDPX_CROSS_LANES", "1",
             "across nodes: lanes (pairs of process groups) the chunks take turns on"),
+    Setting("DDPX_SHM_MB", None,
+            "the most of /dev/shm one group's segment may take, in MiB (unset: it fits in half "
+            "of what is free); `1` shows the fallback a small /dev/shm gets"),
     Setting("DDPX_STRICT", None, "`1`: raise instead of falling back to the process group"),
     Setting("DDPX_CACHE_DIR", "~/.cache/ddpx", "where a build at first use goes"),
     Setting("DDPX_SKIP_CUDA", None, "`1`: build without the CUDA kernels"),
