@@ -22,11 +22,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 import ddpx
-import ddpx.lightning
 
 mode, out = sys.argv[1], sys.argv[2]
-strategy = DDPStrategy(process_group_backend="ddpx") if mode == "backend" else DDPStrategy()
-hook = ddpx.lightning.FusedHook()
 
 
 class Net(L.LightningModule):
@@ -48,18 +45,25 @@ model = Net()
 data = torch.Generator().manual_seed(1)
 dataset = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=data),
                                          torch.randn(64, 4, generator=data))
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False,
-                    enable_model_summary=False, callbacks=[hook] if mode == "callback" else [])
+quiet = dict(accelerator="cpu", devices=2, max_steps=5, logger=False, enable_checkpointing=False,
+             enable_progress_bar=False, enable_model_summary=False)
+# The README's lines, as written there.
+if mode == "backend":
+    trainer = L.Trainer(**quiet, strategy=DDPStrategy(process_group_backend="ddpx"))
+elif mode == "callback":
+    trainer = L.Trainer(**quiet, strategy=DDPStrategy(), callbacks=[ddpx.lightning.FusedHook()])
+else:
+    trainer = L.Trainer(**quiet, strategy=DDPStrategy())
 trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
+hook = next((c for c in trainer.callbacks if isinstance(c, ddpx.lightning.FusedHook)), None)
 if trainer.global_rank == 0:
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "backend": dist.get_backend(),
                 "routes": ddpx.backend_of().routes() if mode == "backend" else None,
-                "hook": hook.state.describe() if hook.state is not None else None}, out)
+                "hook": hook.state.describe() if hook is not None else None}, out)
 # The DDP model goes, then the group: a gloo group alive at interpreter exit can abort the process
 # ("terminate called without an active exception": gloo's thread frees a tensor of Python's).
-del trainer, strategy, model, hook
+del trainer, model, hook
 gc.collect()
 dist.destroy_process_group()
 '''
@@ -84,6 +88,23 @@ def assert_same_weights(result: dict, reference: dict) -> None:
     # 2 ranks: a + b is the same float32 sum whichever path adds it, so the bits match.
     for mine, theirs in zip(result["params"], reference["params"], strict=True):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("module, package", [("lightning", "lightning"),
+                                             ("transformers", "transformers"),
+                                             ("training", "accelerate")])
+def test_import_ddpx_is_enough_for_its_trainer_modules(module, package):
+    """``ddpx.lightning`` and the others after ``import ddpx`` alone, as the README writes them;
+    without the library they need, an error that says what to install."""
+    def run(source: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                              timeout=120)
+
+    found = run(f"import ddpx; print(ddpx.{module}.__name__)")
+    assert found.stdout == f"ddpx.{module}\n", found.stdout + found.stderr
+    missing = run(f"import sys; sys.modules['{package}'] = None; import ddpx; ddpx.{module}")
+    assert (f"ModuleNotFoundError: ddpx.{module} needs {package}, which is not installed: "
+            f"pip install {package}") in missing.stderr, missing.stderr
 
 
 def test_lightning_on_the_ddpx_backend(default, tmp_path):
@@ -151,7 +172,6 @@ import torch.distributed as dist
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
 import ddpx
-import ddpx.transformers
 
 mode, out = sys.argv[1], sys.argv[2]
 if mode != "default":
@@ -182,10 +202,11 @@ args = TrainingArguments(output_dir=out + ".d", max_steps=5, per_device_train_ba
                          ddp_backend="gloo" if mode == "default" else None, seed=0,
                          data_seed=0, disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=Data())
-hook = ddpx.transformers.FusedHook(trainer) if mode == "hook" else None
-if hook is not None:
-    trainer.add_callback(hook)
+if mode == "hook":
+    trainer.add_callback(ddpx.transformers.FusedHook(trainer))  # as the README writes it
 trainer.train()
+hook = next((c for c in trainer.callback_handler.callbacks
+             if isinstance(c, ddpx.transformers.FusedHook)), None)
 if dist.get_rank() == 0:
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "backend": dist.get_backend(),
