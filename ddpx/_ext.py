@@ -28,8 +28,8 @@ def _source_dir() -> Path:
         if all((candidate / name).is_file() for name in CPP_SOURCES):
             return candidate
     raise ImportError(
-        "ddpx: the extension ddpx._C is not built and its C++ sources are not installed either; "
-        "reinstall ddpx with `pip install .` from a source checkout"
+        f"ddpx: the extension ddpx._C is not built in {package} and its C++ sources are not "
+        "installed either; reinstall ddpx with `pip install .` from a source checkout"
     )
 
 
@@ -86,7 +86,10 @@ def extension() -> ModuleType:
     try:
         from ddpx import _C
     except ImportError as error:
-        _C, reason = None, f"ddpx._C is not built ({error})"
+        # Said with where ddpx came from: a checkout in the working directory, imported before the
+        # installed ddpx, is the usual way to meet an unbuilt one.
+        _C, reason = None, (f"ddpx._C is not built in {Path(__file__).resolve().parent} "
+                            f"({error})")
     if _C is not None and _C.torch_version != torch.__version__:
         _C, reason = None, (f"ddpx._C was built for torch {_C.torch_version}, "
                             f"this is torch {torch.__version__}")

@@ -118,6 +118,8 @@ def test_missing_compiler_names_what_to_install(tmp_path):
     result = run_python(PRINT_INFO, env, tmp_path)
     assert result.returncode != 0
     assert "C++17 compiler" in result.stderr and "apt-get install g++" in result.stderr
+    # Where the unbuilt ddpx came from: a checkout imported instead of the installed ddpx.
+    assert f"ddpx._C is not built in {tmp_path / 'ddpx'} " in result.stderr, result.stderr
 
 
 def source_checkout(tmp_path: Path) -> Path:
