@@ -16,9 +16,9 @@ Launch from the repository root:
     python scripts/model_parallel.py            # 1 process: no DDP
     torchrun --nproc_per_node 2 scripts/model_parallel.py
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/model_parallel.py
-    accelerate launch --config_file scripts/configs/cpu.yaml --num_processes 4 \
+    accelerate launch --config_file scripts/configs/cpu.yaml --num_processes 4 \\
         scripts/model_parallel.py
-    accelerate launch --config_file scripts/configs/gpu.yaml --num_processes 2 \
+    accelerate launch --config_file scripts/configs/gpu.yaml --num_processes 2 \\
         scripts/model_parallel.py               # 4 GPUs
     python scripts/model_parallel.py --devices cuda:0,cuda:0   # 1 GPU
     python scripts/model_parallel.py --devices cuda:0,cpu

@@ -8,7 +8,6 @@ import os
 import re
 import select
 import shlex
-import signal
 import subprocess
 import sys
 import textwrap
@@ -39,10 +38,12 @@ COMM_PATHS = {
 }
 
 
-def run(command: list[str], env: dict | None = None) -> str:
-    """Run `command` from the repository root; its stdout, after checking it exited cleanly.
+def finish(command: list, env: dict | None = None,
+           marker: str = str(SCRIPTS)) -> subprocess.CompletedProcess:
+    """Run `command` from the repository root to its end, or kill it and fail at TIMEOUT_S.
 
-    The command gets its own process group, so a hang kills the launcher and all its ranks.
+    The command gets a session of its own, and torch's launcher gives each rank another: a hang
+    is ended by kill_job, which finds the ranks by `marker`, a string in their command lines.
     """
     with subprocess.Popen(
         [str(part) for part in command],
@@ -56,13 +57,19 @@ def run(command: list[str], env: dict | None = None) -> str:
         try:
             stdout, stderr = process.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_job(process, marker)
             stdout, stderr = process.communicate()
             pytest.fail(f"timed out after {TIMEOUT_S} s\n{stdout}\n{stderr}")
-    output = f"stdout:\n{stdout}\nstderr:\n{stderr}"
-    assert process.returncode == 0, output
-    assert "terminate called" not in stderr, output
-    return stdout
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run(command: list, env: dict | None = None) -> str:
+    """Run `command` from the repository root; its stdout, after checking it exited cleanly."""
+    result = finish(command, env)
+    output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.returncode == 0, output
+    assert "terminate called" not in result.stderr, output
+    return result.stdout
 
 
 def accelerate_launch(script: str, *args, num_processes: int = 2, steps: int = STEPS) -> str:
@@ -118,6 +125,17 @@ def test_basic_torchrun():
 def test_single_process(script):
     stdout = run([sys.executable, SCRIPTS / script, "--steps", STEPS])
     check_training(stdout, 1, "comm path: none (1 process")
+
+
+@pytest.mark.parametrize("script", ["basic.py", "checkpoint.py", "model_parallel.py"])
+def test_help_shows_the_docstring_as_written(script):
+    """--help prints the docstring, the launch manual, with the line breaks of its source: each
+    launch command on lines of its own. (model_parallel.py ended lines in a lone backslash, which
+    Python's string joined to the next, so its help ran two commands together.)"""
+    written = (SCRIPTS / script).read_text().split('"""')[1].replace("\\\\", "\\")
+    result = finish([sys.executable, SCRIPTS / script, "--help"])
+    assert result.returncode == 0, result.stderr
+    assert written.strip() in result.stdout, result.stdout
 
 
 @pytest.mark.slow
