@@ -5,6 +5,7 @@ import gc
 import os
 import shlex
 import sys
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -28,11 +29,52 @@ __all__ = [
 
 COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
+# How long a rank that fails without printing waits to be stopped by its launcher (seconds).
+_SILENT_FAILURE_WAIT_S = 60
+
+
+class _OncePerMachineParser(argparse.ArgumentParser):
+    """An ArgumentParser that prints usage, help and errors on each machine's first rank only.
+
+    Every rank of a launch parses the same command line to the same verdict: printed by every
+    rank, an error or the whole --help appeared once per rank. The other ranks exit with the
+    first one's status, silently. Once per machine, as accelerator.print: each machine's
+    launcher has a terminal of its own.
+    """
+
+    def print_usage(self, file=None):
+        if _first_local_rank():
+            super().print_usage(file)
+
+    def print_help(self, file=None):
+        if _first_local_rank():
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        if _first_local_rank():
+            super().exit(status, message)
+        if status:
+            # torchrun stops every rank as soon as one fails, so a silent rank that failed first
+            # could get the printing one stopped before it printed. This one waits instead: the
+            # printing rank fails, and the launcher stops this one (the limit ends the wait
+            # under a launcher that stops no one).
+            time.sleep(_SILENT_FAILURE_WAIT_S)
+        super().exit(status)
+
+
+def _first_local_rank() -> bool:
+    # Read from the launcher's environment: flags are parsed before any process group exists.
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
 def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
-    """A parser with the flags all scripts share; scripts add their own."""
-    parser = argparse.ArgumentParser(
+    """A parser with the flags all scripts share; scripts add their own.
+
+    `description` (the script's docstring, its launch manual) keeps its line breaks, and what
+    the parser prints (usage, --help, errors, `parser.exit(status, message)`) appears once per
+    machine, not once per rank.
+    """
+    parser = _OncePerMachineParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=steps, help="training steps")

@@ -77,6 +77,18 @@ def accelerate_launch(script: str, *args, num_processes: int = 2, steps: int = S
                 "--num_processes", num_processes, SCRIPTS / script, "--steps", steps, *args])
 
 
+def accelerate_launch_to_fail(script: str, *args) -> str:
+    """`script` under accelerate launch on 2 CPU processes, which must fail: its stdout and
+    stderr, after checking that it exited non-zero, with every rank gone and none aborted."""
+    result = finish([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                     CPU_CONFIG, SCRIPTS / script, *args])
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert not job_processes(str(SCRIPTS / script)), f"a rank outlived its launcher\n{output}"
+    assert "terminate called" not in output, output
+    return output
+
+
 def check_training(stdout: str, world_size: int, comm_path: str) -> None:
     """The run saw `world_size` ranks, used `comm_path`, and its loss fell."""
     assert f"world size {world_size}," in stdout, stdout
@@ -136,6 +148,54 @@ def test_help_shows_the_docstring_as_written(script):
     result = finish([sys.executable, SCRIPTS / script, "--help"])
     assert result.returncode == 0, result.stderr
     assert written.strip() in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("script, flags, error", [
+    ("basic.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("checkpoint.py", ["--comm_hook", "nccl"], "argument --comm_hook: invalid choice: 'nccl'"),
+    ("model_parallel.py", ["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+])
+def test_a_flag_error_is_printed_once(script, flags, error):
+    """Every rank parses the same command line; the usage and the error appear once, not once per
+    rank. (The launcher's own failure summary follows; it is not the script's.)"""
+    output = accelerate_launch_to_fail(script, *flags)
+    errors = re.findall(rf"^{re.escape(script)}: error: (.*)$", output, re.MULTILINE)
+    assert len(errors) == 1 and errors[0].startswith(error), output
+    assert len(re.findall(rf"^usage: {re.escape(script)} ", output, re.MULTILINE)) == 1, output
+
+
+def test_help_is_printed_once():
+    result = finish([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                     CPU_CONFIG, SCRIPTS / "checkpoint.py", "--help"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("usage: checkpoint.py ") == 1, result.stdout
+    assert result.stdout.count("--use_accelerate_state ") == 1, result.stdout
+
+
+def test_a_flag_error_is_printed_even_when_the_printing_rank_parses_last(tmp_path):
+    """torchrun stops every rank once one fails. Rank 1, which prints nothing, fails its parse
+    first here: rank 0 must still get to print the error, once."""
+    program = tmp_path / "late_rank_0.py"
+    program.write_text(textwrap.dedent(f"""
+        import os, pathlib, time
+        from ddpx.training import make_parser
+
+        parsing = pathlib.Path({str(tmp_path)!r}) / "rank 1 parses"
+        if os.environ["LOCAL_RANK"] == "0":
+            while not parsing.exists():
+                time.sleep(0.05)
+            time.sleep(2)  # long enough for torchrun to stop this rank, were rank 1 gone
+        else:
+            parsing.touch()
+        make_parser("late_rank_0").parse_args()
+    """))
+    result = finish([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                     "--nproc_per_node", 2, program, "--bogus"], marker=str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert not job_processes(str(tmp_path)), output
+    assert re.findall(r"^late_rank_0\.py: error: (.*)$", output, re.MULTILINE) == [
+        "unrecognized arguments: --bogus"], output
 
 
 @pytest.mark.slow
