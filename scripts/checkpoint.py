@@ -92,6 +92,21 @@ def latest_checkpoint(args):
                         ACCELERATE_STATE if args.use_accelerate_state else CHECKPOINT)
 
 
+def checkpoint_to_resume(parser, args):
+    """The checkpoint --resume_from_checkpoint names; exits, naming what it looked for, if none."""
+    if args.resume_from_checkpoint == "latest":
+        path = latest_checkpoint(args)
+        missing = f"no {os.path.basename(path)} in {args.output_dir}"
+    else:
+        path = args.resume_from_checkpoint
+        saved = "folder of Accelerate's state" if args.use_accelerate_state else "checkpoint file"
+        missing = f"no {saved} there"
+    if not (os.path.isdir(path) if args.use_accelerate_state else os.path.isfile(path)):
+        parser.exit(1, f"{parser.prog}: error: --resume_from_checkpoint "
+                       f"{args.resume_from_checkpoint}: {missing}\n")
+    return path
+
+
 def load_checkpoint(accelerator, model, optimizer, progress, args, path):
     """Restore model, optimizer and progress from `path` on every rank; returns how it loaded."""
     if args.use_accelerate_state:
@@ -139,9 +154,7 @@ def train(accelerator, args):
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if args.resume_from_checkpoint:
-        path = args.resume_from_checkpoint
-        if path == "latest":
-            path = latest_checkpoint(args)
+        path = args.resume_from_checkpoint  # "latest" became its path in main
         load_checkpoint(accelerator, model, optimizer, progress, args, path)
         accelerator.print(f"resumed from {path} after step {progress.step}")
     every = args.checkpointing_steps
@@ -181,6 +194,10 @@ def main():
     temporary = args.output_dir is None
     if temporary and args.resume_from_checkpoint == "latest":
         parser.error("--resume_from_checkpoint latest needs the --output_dir it is in")
+    if args.resume_from_checkpoint:
+        # Checked before the process group exists: every rank stops here alike, no peer waits
+        # for it and nothing needs tearing down (see shutdown).
+        args.resume_from_checkpoint = checkpoint_to_resume(parser, args)
     accelerator = make_accelerator(args)
     if temporary:
         made = tempfile.mkdtemp(prefix="ddpx-checkpoint-") if accelerator.is_main_process else None

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import job_processes, kill_job, shm_segments
+from distributed import alive, job_processes, kill_job, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -87,6 +87,12 @@ def accelerate_launch_to_fail(script: str, *args) -> str:
     assert not job_processes(str(SCRIPTS / script)), f"a rank outlived its launcher\n{output}"
     assert "terminate called" not in output, output
     return output
+
+
+def left_in_shm(before: set[str]) -> set[str]:
+    """ddpx's segments made since `before` by processes now gone (the names start with the
+    creator's pid): left behind. Live ones may be other jobs' on a shared machine."""
+    return {name for name in shm_segments() - before if not alive(int(name.split("-")[1]))}
 
 
 def check_training(stdout: str, world_size: int, comm_path: str) -> None:
@@ -277,6 +283,30 @@ def test_resuming_the_latest_checkpoint_needs_its_directory():
                              "latest"], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 2
     assert "--resume_from_checkpoint latest needs the --output_dir it is in" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["plain", "accelerate_state"])
+@pytest.mark.parametrize("resume", ["latest", "a missing path"])
+def test_resuming_a_missing_checkpoint_says_so_once(mode, resume, tmp_path):
+    """No checkpoint where --resume_from_checkpoint points: one line, from one rank, naming what
+    was looked for where; no traceback; every rank gone, with nothing left in /dev/shm."""
+    flags = ["--use_accelerate_state"] if mode == "accelerate_state" else []
+    if resume == "latest":
+        flags += ["--output_dir", tmp_path, "--resume_from_checkpoint", "latest"]
+        latest = "accelerate_state" if mode == "accelerate_state" else "checkpoint.pt"
+        expected = f"--resume_from_checkpoint latest: no {latest} in {tmp_path}"
+    else:
+        missing = tmp_path / "no-such-checkpoint"
+        flags += ["--resume_from_checkpoint", missing]
+        saved = ("folder of Accelerate's state" if mode == "accelerate_state"
+                 else "checkpoint file")
+        expected = f"--resume_from_checkpoint {missing}: no {saved} there"
+    segments = shm_segments()
+    output = accelerate_launch_to_fail("checkpoint.py", *flags)
+    errors = re.findall(r"^checkpoint\.py: error: (.*)$", output, re.MULTILINE)
+    assert errors == [expected], output
+    assert 'scripts/checkpoint.py", line' not in output, output  # the launcher's own is not ours
+    assert not left_in_shm(segments)
 
 
 @pytest.fixture(scope="module")
