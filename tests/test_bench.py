@@ -123,6 +123,22 @@ def check_times(row: dict) -> None:
     assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
 
 
+def check_allreduce_row(row: dict, gloo: dict) -> None:
+    """An allreduce row beside gloo's of its cell, gloo the only peer: its figures agree with its
+    times, and its sum was within the tolerance (the floor's is not checked)."""
+    check_times(row)
+    assert row["gb_per_s"] == pytest.approx(row["size_bytes"] / row["median_ms"] / 1e6)
+    assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
+    assert row["best_peer"] == "gloo"
+    assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
+    if row["cpu_busy"] is not None:  # None: samples shorter than /proc/stat's 10 ms tick
+        assert 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
+    if row["engine"] == "copy":  # the floor is timed, not checked
+        assert row["max_abs_error"] is row["tolerance"] is None
+    else:
+        assert 0 <= row["max_abs_error"] <= row["tolerance"]
+
+
 def test_allreduce(tmp_path):
     engines = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot", "ddpx-wide",
                "ddpx-timed"]
@@ -136,17 +152,7 @@ def test_allreduce(tmp_path):
     assert sorted(rows) == sorted((size, engine) for size in sizes for engine in measured)
     for (size, _), row in rows.items():
         assert row["world_size"] == 2
-        check_times(row)
-        assert row["gb_per_s"] == pytest.approx(size / row["median_ms"] / 1e6)
-        assert row["x_vs_gloo"] == pytest.approx(rows[size, "gloo"]["median_ms"] / row["median_ms"])
-        assert row["best_peer"] == "gloo"  # the only peer here
-        assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
-        if row["cpu_busy"] is not None:  # None: samples shorter than /proc/stat's 10 ms tick
-            assert 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
-        if row["engine"] == "copy":  # the floor is timed, not checked
-            assert row["max_abs_error"] is row["tolerance"] is None
-        else:
-            assert 0 <= row["max_abs_error"] <= row["tolerance"]
+        check_allreduce_row(row, rows[size, "gloo"])
     assert "x vs gloo" in stdout and "x vs best peer" in stdout
     if ddpx_built():
         assert re.search(r"note: ddpx on 2 ranks: .*one-shot up to 32 KiB", stdout), stdout
