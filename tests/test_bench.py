@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -159,6 +160,114 @@ def test_allreduce(tmp_path):
     assert "load: none (idle)" in stdout
     assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
+
+
+# What `ddpx-bench allreduce --quick` promises: 2 ranks, DDP's bucket sizes, what every install has.
+QUICK_SIZES = [64 * 1024, 1024 * 1024, 25 * 1024 * 1024]
+QUICK_ENGINES = ["gloo", "ddpx", "copy"]
+QUICK_HEADER = ("quick mode: --quick is --world_sizes 2 --sizes 64K,1M,25M --engines "
+                "gloo,ddpx,copy --iters 10 --min_time 0.3 (options given win); the full run: ")
+# Set for a run's processes, which keep it whoever adopts them.
+RUN_MARK = "DDPX_TEST_BENCH_RUN"
+
+
+def run_quick(tmp_path: Path, *options: str) -> tuple[dict, list[str], list[str]]:
+    """Run `ddpx-bench allreduce --quick` with `options` as a user would: its JSON document, the
+    lines of its stdout and the command of the full run. Checks that it left no process running
+    and none of ddpx's segments in /dev/shm."""
+    json_path = tmp_path / "quick.json"
+    command = ["allreduce", "--quick", *options, "--json", str(json_path)]
+    segments_before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([*BENCH, *command], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, RUN_MARK: str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert still_alive(carrying(RUN_MARK, str(tmp_path))) == []
+    assert left_segments(segments_before) == []
+    full_run = ["ddpx-bench", *(arg for arg in command if arg != "--quick")]
+    return json.loads(json_path.read_text()), done.stdout.splitlines(), full_run
+
+
+
+def carrying(variable: str, value: str) -> list[int]:
+    """The live processes whose environment sets `variable` to `value`."""
+    entry = f"{variable}={value}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def left_segments(before: set[str]) -> list[str]:
+    """ddpx's segments in /dev/shm (ddpx-PID-...) made since `before` whose maker has exited:
+    left behind. Other developers' live runs on the machine make theirs meanwhile."""
+    left = []
+    for name in set(os.listdir("/dev/shm")) - before:
+        pid = name.split("-")[1] if name.startswith("ddpx-") else ""
+        if pid.isdigit() and not alive(int(pid)):
+            left.append(name)
+    return left
+
+
+def test_allreduce_quick_measures_what_it_promises_and_says_it_was_quick(tmp_path):
+    document, lines, full_run = run_quick(tmp_path)
+
+    assert lines[1] == QUICK_HEADER + shlex.join(full_run)
+    assert document["settings"]["quick"] is True and "runs" not in document  # one launch
+    measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))
+    check_measured(QUICK_ENGINES, measured, document["left_out"])
+    rows = {(row["world_size"], row["size_bytes"], row["engine"]): row for row in document["rows"]}
+    assert list(rows) == [(2, size, engine) for size in QUICK_SIZES for engine in measured]
+    for (_, size, _), row in rows.items():
+        assert row["samples"] == 10
+        check_allreduce_row(row, rows[2, size, "gloo"])
+    table = [line.split()[:3] for line in lines if line.split()[:1] == ["2"]]
+    assert table == [["2", size, engine] for size in ("64K", "1M", "25M") for engine in measured]
+
+
+def test_allreduce_quick_takes_the_options_given_beside_it(tmp_path):
+    document, lines, full_run = run_quick(tmp_path, "--sizes", "4K", "--iters", "3")
+
+    assert lines[1] == QUICK_HEADER + shlex.join(full_run)
+    assert full_run[:5] == ["ddpx-bench", "allreduce", "--sizes", "4K", "--iters"]
+    measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))
+    check_measured(QUICK_ENGINES, measured, document["left_out"])  # --quick's engines still
+    rows = {(row["world_size"], row["size_bytes"], row["engine"]): row for row in document["rows"]}
+    assert list(rows) == [(2, 4096, engine) for engine in measured]
+    for row in rows.values():
+        assert row["samples"] == 3
+        check_allreduce_row(row, rows[2, 4096, "gloo"])
+
+
+def test_quick_is_its_options_and_an_option_given_beside_it_wins(capsys):
+    from ddpx.bench import cli
+    from ddpx.bench.mode import MODES
+
+    quick = MODES["allreduce"].quick_options.split()
+
+    def settings(*argv: str) -> dict:
+        return {key: value for key, value in vars(cli.parse_args(["allreduce", *argv])).items()
+                if key != "quick"}
+
+    assert settings("--quick") == settings(*quick)
+    promised = {"world_sizes": [2], "sizes": QUICK_SIZES, "engines": QUICK_ENGINES, "runs": 1}
+    assert {key: settings("--quick")[key] for key in promised} == promised
+    # Before --quick or after it, a given option wins; the rest are --quick's.
+    given = ["--sizes", "4K", "--quick", "--world_sizes", "3", "--min_time", "2"]
+    assert settings(*given) == settings(*quick, "--sizes", "4K", "--world_sizes", "3",
+                                        "--min_time", "2")
+    assert settings(*given)["sizes"] == [4096] and settings(*given)["iters"] == 10
+    # Without it, the full run's defaults.
+    assert settings()["world_sizes"] == [2, 4] and settings()["iters"] == 20
+    assert cli.parse_args(["allreduce"]).quick is False
+
+    with pytest.raises(SystemExit):
+        cli.parse_args(["allreduce", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"--quick a first answer, in under a minute on 2 cores: {' '.join(quick)}" in help_text
 
 
 def test_collectives(tmp_path):

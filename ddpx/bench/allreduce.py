@@ -3,8 +3,13 @@ float64 sum, then timed in turns, cell by cell; on a shaped link, the link's bou
 model beside each time.
 
 On 2 cores, about 1.5 minutes at the defaults, more with the peers. The peers it compares with,
-OpenMPI (through mpi4py) and DeepSpeed, are optional: `pip install -e ".[peers]"`.
+OpenMPI (through mpi4py) and DeepSpeed, are optional: `pip install -e ".[peers]"`. --quick
+answers in well under a minute with what every install has: 2 ranks, DDP's bucket sizes, gloo,
+ddpx and the copy floor, fewer samples, one launch (its options: `ddpx-bench allreduce --help`);
+options given beside it win (`--quick --engines gloo,ddpx,ddpx-bf16,copy`), and the table's
+header says that it was quick and what the full run is.
 
+    ddpx-bench allreduce --quick
     ddpx-bench allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
     ddpx-bench allreduce --world_sizes 2 --sizes 4K,1M --iters 5 --min_time 0.1
     ddpx-bench allreduce --world_sizes 4 --nodes 2    # as if on two machines
@@ -484,6 +489,11 @@ class Allreduce(Mode):
     measured = {"timing": PER_CALL}
     cell_keys = ("world_size", "size_bytes", "engine")
     bigger_is_better = ("gb_per_s", "x_vs_gloo", "x_vs_best_peer")
+    # What every install has, on the sizes DDP sends most (25M, its default bucket; 1M, its first
+    # bucket; 64K, a small model's only one), on 2 ranks (as many as the smallest machine has
+    # cores), with samples enough for a median: a first answer while a user waits.
+    quick = {"world_sizes": "2", "sizes": "64K,1M,25M", "engines": "gloo,ddpx,copy",
+             "iters": "10", "min_time": "0.3"}
 
     def add_arguments(self, parser):
         parser.add_argument(

@@ -62,6 +62,9 @@ from ddpx.bench.report import report
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     summary = __doc__.partition("\n\n")[0]
     examples = "".join(
+        f"  ddpx-bench {name} --quick    # a first answer, in under a minute\n"
+        for name, mode in MODES.items() if mode.quick
+    ) + "".join(
         f"  ddpx-bench {name} --json bench_out/{name}.json --plot bench_out/{name}.png\n"
         for name in MODES
     )
@@ -76,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.set_defaults(nodes=None, link=[], load_pids=[])
     subparsers = parser.add_subparsers(dest="mode", required=True)
+    mode_parsers = {}
     for mode in MODES.values():
         subparser = subparsers.add_parser(
             mode.name,
@@ -85,8 +89,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             epilog=f"What it measures and reports: python -m pydoc {type(mode).__module__}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        if mode.quick:
+            subparser.add_argument(
+                "--quick",
+                action="store_true",
+                help=f"a first answer, in under a minute on 2 cores: {mode.quick_options}; an "
+                f"option given beside --quick wins (the full run: ddpx-bench {mode.name})",
+            )
         mode.add_arguments(subparser)
+        mode_parsers[mode.name] = subparser
     args = parser.parse_args(argv)
+    if getattr(args, "quick", False):
+        # Parsed again with --quick's values as the defaults, so that only the options the command
+        # line does not give take them, wherever --quick stands in it.
+        mode_parsers[args.mode].set_defaults(**MODES[args.mode].quick)
+        args = parser.parse_args(argv)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     if args.nodes is None:

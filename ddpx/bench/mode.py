@@ -36,11 +36,20 @@ class Mode:
     # The figures of a row where bigger is better (the others, times, are better smaller): the
     # worst run of --runs is the one with the smallest.
     bigger_is_better: tuple[str, ...] = ()
+    # What --quick sets, option -> its value as typed on the command line (argparse converts a
+    # string default as it would the option), for a first answer in under a minute on 2 cores; an
+    # option given beside --quick wins. None: the mode has no --quick.
+    quick: dict[str, str] | None = None
 
     @property
     def description(self) -> str:
         """The first paragraph of the mode's file's docstring."""
         return sys.modules[type(self).__module__].__doc__.partition("\n\n")[0]
+
+    @property
+    def quick_options(self) -> str:
+        """What --quick stands for, as options on the command line."""
+        return " ".join(f"--{option} {value}" for option, value in self.quick.items())
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the mode's own options to its subcommand's `parser`."""

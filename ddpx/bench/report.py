@@ -6,7 +6,9 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,7 +36,8 @@ def report(mode, args, argv: list[str], result: dict) -> None:
         **mode.measured,
         **result,
     }
-    print(format_report(document, mode.table))
+    header = [quick_line(mode, argv)] if getattr(args, "quick", False) else []
+    print(format_report(document, mode.table, header))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2) + "\n")
@@ -73,12 +76,22 @@ def _cpu_model() -> str:
     )
 
 
-def format_report(document: dict, table) -> str:
-    """The report's header, then the lines that `table` makes of the document's rows."""
+def quick_line(mode, argv: list[str]) -> str:
+    """The header's line of a --quick run: what --quick set, and the command of the full run (the
+    same command without --quick, which argparse also takes abbreviated)."""
+    full = [arg for arg in argv if not (len(arg) > 2 and "--quick".startswith(arg))]
+    return (f"quick mode: --quick is {mode.quick_options} (options given win); the full run: "
+            f"{shlex.join(['ddpx-bench', *full])}")
+
+
+def format_report(document: dict, table, header: Sequence[str] = ()) -> str:
+    """The report's header, with the lines `header` after its first, then the lines that `table`
+    makes of the document's rows."""
     machine = document["machine"]
     lines = [
         f"ddpx bench {document['mode']}: {machine['cpu']}, {machine['cores']} cores, "
         f"{machine['threads_per_rank']} thread per rank, torch {machine['torch']}",
+        *header,
         f"timing: {document['timing']}; median and p10-p90 over the samples"
         if "timing" in document
         else f"errors: {document['errors']}",
