@@ -108,6 +108,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
     if args.nodes is None:
         args.nodes = 2 if args.link else 1
+    uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]
+    if uneven:
+        parser.exit(2, f"ddpx-bench: --nodes {args.nodes} does not divide world size {uneven[0]} "
+                       "evenly\n")
+    if args.runs > 1 and (MODES[args.mode].cell_keys is None or args.link
+                          or "WORLD_SIZE" in os.environ):
+        parser.exit(2, f"ddpx-bench: --runs launches the ranks afresh, which it does for "
+                       f"{_modes_with_runs()} on this machine (not with --link, nor under a "
+                       "launcher): leave --runs out\n")
+    if args.link and args.load:
+        parser.exit(2, "ddpx-bench: --load with --link would load every node's cores, which are "
+                       "the same cores: leave one of them out\n")
     return args
 
 
@@ -159,17 +171,6 @@ def main(argv: list[str] | None = None) -> None:
     """Run `ddpx-bench` with `argv` (default: this command's arguments)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]
-    if uneven:
-        sys.exit(f"ddpx-bench: --nodes {args.nodes} does not divide world size {uneven[0]} evenly")
-    if args.runs > 1 and (MODES[args.mode].cell_keys is None or args.link
-                          or "WORLD_SIZE" in os.environ):
-        sys.exit(f"ddpx-bench: --runs launches the ranks afresh, which it does for "
-                 f"{_modes_with_runs()} on this machine (not with --link, nor under a launcher): "
-                 "leave --runs out")
-    if args.link and args.load:
-        sys.exit("ddpx-bench: --load with --link would load every node's cores, which are the same "
-                 "cores: leave one of them out")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         if MPI_WORKDIR in os.environ:

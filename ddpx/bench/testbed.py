@@ -170,7 +170,7 @@ class Testbed:
     everything it made removed, by close() (on leaving a ``with`` block), also when it fails
     half made."""
 
-    def __init__(self, nodes: int, rate: str | None = "1gbit"):
+    def __init__(self, nodes: int, rate: str | None = "1gbit", subnet: str | None = None):
         if nodes < 2:
             raise ValueError(f"a testbed has at least 2 nodes, not {nodes}")
         self.rate = rate
@@ -181,8 +181,9 @@ class Testbed:
         _remove_stale()
         prefix = f"{_PREFIX}{os.getpid()}-{next(_serial)}"
         # Testbeds reach neither each other nor the host, so any subnet would do; one per
-        # creator keeps the addresses of testbeds made side by side apart in their logs.
-        subnet = f"10.213.{os.getpid() % 256}"
+        # creator keeps the addresses of testbeds made side by side apart in their logs. A given
+        # one (three numbers: node k is its .k+1) runs a command written for known addresses.
+        subnet = subnet or f"10.213.{os.getpid() % 256}"
         try:
             for k in range(nodes):
                 ns = f"{prefix}-{k}"
