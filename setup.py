@@ -14,6 +14,7 @@ TORCH_CUDA_ARCH_LIST replaces the GPU architectures compiled for (ddpx/_buildspe
 import os
 import runpy
 import sys
+import sysconfig
 
 from setuptools import setup
 
@@ -38,6 +39,27 @@ def _debug(flags):
     return [f for f in flags if not f.startswith("-O")] + ["-O0", "-g"]
 
 
+class BuildReusingObjects(BuildExtension):
+    """torch's BuildExtension, keeping the objects in build/ from one build to the next.
+
+    setuptools gives each editable install a new temporary folder for them, so the test extras'
+    `pip install -e ".[test]"` after `pip install -e .` compiled everything again. With one
+    folder per kind of build, the editable and regular installs and `pip wheel .` share the
+    objects, and ninja compiles only what changed since: it knows the headers each object was
+    built from and the command that built it. The kind is what makes objects unfit for another
+    build: the platform, Python, torch, the CUDA kernels or not, and DEBUG.
+    """
+
+    def finalize_options(self):
+        if self.build_temp is None:  # a --build-temp given to build_ext itself is kept
+            cuda = SPEC["cuda_toolkit"](torch.version.cuda, cpp_extension.CUDA_HOME) is not None
+            kind = (f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+                    f"-torch{torch.__version__}-{'cuda' if cuda else 'cpu'}"
+                    f"{'-debug' if os.environ.get('DEBUG') == '1' else ''}")
+            self.build_temp = os.path.join(HERE, "build", f"temp-{kind}")
+        super().finalize_options()
+
+
 def get_extensions():
     build = SPEC["plan"](torch.__version__, torch.version.cuda, cpp_extension.CUDA_HOME,
                          os.path.dirname(torch.__file__))
@@ -60,5 +82,5 @@ setup(
     package_dir={"ddpx.csrc": "csrc"},
     package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
     ext_modules=get_extensions(),
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildReusingObjects},
 )
