@@ -69,7 +69,10 @@ def cxx_flags(torch_version: str) -> list[str]:
     # Portable code only: the AVX2 kernels carry their own target attributes and are chosen at
     # run time, so the build never uses -march=native. No -std: torch.utils.cpp_extension adds
     # the standard its headers need (C++20 from torch 2.14 on, whose headers reject C++17).
-    return ["-O3", "-Wall", f"-DDDPX_TORCH_VERSION={torch_version}"]
+    # -g0: setuptools passes on Python's own CFLAGS, which hold -g, and the debug information
+    # for torch's headers is much of the time each source takes; the code is the same either
+    # way. DEBUG=1 builds with -g.
+    return ["-O3", "-Wall", "-g0", f"-DDDPX_TORCH_VERSION={torch_version}"]
 
 
 def cuda_toolkit(torch_cuda: str | None, guess: str | None) -> str | None:
