@@ -2,7 +2,7 @@
 // Python package; this file only exposes the pieces.
 #include <pybind11/chrono.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <algorithm>

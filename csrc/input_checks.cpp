@@ -1,5 +1,7 @@
 #include "input_checks.h"
 
+#include <ATen/ops/view_as_real.h>
+
 #include <sstream>
 #include <string_view>
 

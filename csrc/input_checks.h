@@ -1,7 +1,7 @@
 // What a call asks an engine for, and whether an engine can do it with the tensor it was given.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>
