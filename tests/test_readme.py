@@ -1,6 +1,11 @@
-"""The README's runnable examples, run as it says (torchrun, 2 processes): a newcomer's first
-copy-paste must work."""
+"""Every line of code a user can copy from the README, run as written: its Python examples under
+torchrun (2 processes); its commands in a shell, from a folder that sees the repository's
+scripts/, the multi-node one on two network-namespace hosts at the README's own addresses; its
+API and trainer lines in jobs that hold them verbatim (here, and in tests/test_trainers.py);
+the install, test and results commands as .ci/run's own steps. A line added to the README fails
+the first test until this file says what runs it."""
 
+import os
 import re
 import subprocess
 import sys
@@ -8,16 +13,156 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+from ddpx.bench import testbed
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
 # A python block whose first line is "# NAME.py: torchrun --nproc_per_node 2 NAME.py".
 RUNNABLE = {found.group(1): found.group(0)
             for found in re.finditer(r"^# (\S+\.py): torchrun --nproc_per_node 2 \1\n.*?(?=^```)",
                                      README, re.S | re.M)}
+COMMAND = re.compile(r"(pip|python|accelerate|torchrun|ddpx-bench|bash|docker) \S")
 
 
-def test_every_python_block_of_the_readme_is_a_runnable_example():
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks, a continued line joined, without comments."""
+    found = []
+    for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(re.sub(r"\s+#.*$", "", line).split())
+            if command:
+                found.append(command)
+    return found
+
+
+def readme_inline_code() -> list[str]:
+    """The prose's inline code that a user can copy as a line: commands and calls. The errors
+    table's entries are messages, not code (tests/test_faults.py and others check them)."""
+    prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+    before, errors = prose.split("\n## Errors\n", 1)
+    prose = before + errors.split("\n## ", 1)[1]
+    spans = dict.fromkeys(" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose))
+    return [span for span in spans if COMMAND.match(span) or "(" in span]
+
+
+# Shell commands this file runs, and a line each prints when it worked.
+RUN_HERE = {
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/basic.py": "final loss",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py":
+        "parameter digest",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/model_parallel.py":
+        "final loss",
+    "torchrun --nproc_per_node 2 scripts/basic.py": "final loss",
+    'python -c "import ddpx.settings as s; print(s.describe())"': "DDPX_BLOCK_KB=256 (",
+    "ddpx-bench allreduce --quick": "quick mode: --quick is",
+}
+# Run on two hosts (node 0 as written; node 1 with its own --machine_rank, as the README says).
+MULTINODE = ("accelerate launch --config_file scripts/configs/multinode.yaml --machine_rank 0 "
+             "--main_process_ip 10.0.0.1 --main_process_port 29500 scripts/basic.py")
+# Code that a job holds verbatim: API_JOB below, or the named test's.
+IN_JOBS = {
+    "ddpx.register_fused_hook(model, process_group=None, compression=None, timeout=None)": None,
+    "model.register_comm_hook(ddpx.FusedHookState(), ddpx.fused_allreduce_hook)": None,
+    "ddpx.all_reduce(tensor, group=None, average=False, compression=None)": None,
+    "ddpx.backend_of(group=None)": None,
+    "ddpx.build_info()": None,
+    "ddpx.engine.engine_for(group).steps": None,
+    "describe()": None,
+    ".describe()": None,
+    ".routes()": None,
+    "ddpx.training.make_accelerator(args)": None,
+    "dist.destroy_process_group()": None,
+    'init_process_group("ddpx")': None,
+    'strategy=DDPStrategy(process_group_backend="ddpx")': "test_trainers.py",
+    "callbacks=[ddpx.lightning.FusedHook()]": "test_trainers.py",
+    'dist.init_process_group("ddpx")': "test_trainers.py",
+    "trainer.add_callback(ddpx.transformers.FusedHook(trainer))": "test_trainers.py",
+}
+# Lines that .ci/run runs, verbatim.
+IN_CI = {
+    "pip install torch==2.13.0 ninja",
+    "pip install -e .",
+    "pip install -v -e .",
+    "pip install .",
+    "pip wheel .",
+    'pip install torch==2.13.0 ninja && pip install -e ".[test]" && python -m pytest -q',
+    'pip install -e ".[test]"',
+    "pip install lightning",
+    "pip install transformers",
+    "bash tools/arm_check.sh",
+    'pip install -e ".[peers]"',
+    "ddpx-bench allreduce --world_sizes 2 --sizes 1M,4M,25M --engines gloo,ddpx,mpi,deepspeed,copy "
+    "--runs 5",
+    "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,25M --engines gloo,ddpx,mpi,deepspeed "
+    "--load 1 --bind core --runs 5",
+}
+# Lines no machine of this project's CI can run, and where they do run.
+ELSEWHERE = {
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install ninja":
+        "reaches PyTorch's own index, which this project's machines cannot",
+    "pip install torch": "named as what not to run on a CPU-only machine (PyPI's CUDA build)",
+    "accelerate launch --config_file scripts/configs/gpu.yaml --num_processes 2 scripts/basic.py":
+        "needs two CUDA GPUs",
+    "bash tools/gpu_check.sh": "needs a CUDA GPU: run on the GPU machine some issues are lent",
+}
+
+API_JOB = '''
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpx
+
+dist.init_process_group("ddpx")
+group = None
+
+
+def net():
+    torch.manual_seed(0)
+    return DistributedDataParallel(torch.nn.Linear(8, 4))
+
+
+def step(model):
+    model(torch.full((2, 8), float(dist.get_rank()))).sum().backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+model = net()
+state = ddpx.register_fused_hook(model, process_group=None, compression=None, timeout=None)
+ours = step(model)
+model = net()
+model.register_comm_hook(ddpx.FusedHookState(), ddpx.fused_allreduce_hook)
+torch_form = step(model)
+reference = step(net())
+assert torch.equal(ours, reference) and torch.equal(torch_form, reference)
+
+tensor = torch.full((4,), float(dist.get_rank() + 1))
+ddpx.all_reduce(tensor, group=None, average=False, compression=None)
+assert tensor.tolist() == [3.0] * 4
+backend = ddpx.backend_of(group=None)
+print(f"PATHS {state.describe()} | {backend.describe()} | {backend.routes()}")
+print(f"BUILD {ddpx.build_info()}")
+print(f"STEPS {ddpx.engine.engine_for(group).steps}")
+
+args = ddpx.training.make_parser("the README's API").parse_args([])
+accelerator = ddpx.training.make_accelerator(args)
+print(f"ACCELERATE {accelerator.num_processes}")
+del model, state, accelerator
+dist.destroy_process_group()
+'''
+
+
+def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
     assert README.count("```python\n") == len(RUNNABLE)
+    lines = readme_commands() + readme_inline_code()
+    known = [*RUN_HERE, MULTINODE, *IN_JOBS, *IN_CI, *ELSEWHERE]
+    assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert [line for line in IN_CI if line not in ci] == []
+    jobs = {name: (REPO / "tests" / name).read_text() for name in set(IN_JOBS.values()) if name}
+    assert [code for code, where in IN_JOBS.items()
+            if code not in (jobs[where] if where else API_JOB)] == []
 
 
 @pytest.mark.parametrize("name, expected", [
@@ -33,6 +178,46 @@ def test_a_readme_example_runs_as_written(name, expected, tmp_path):
     assert done.stdout.count(expected) == 2, done.stdout  # one line from each rank
 
 
+def test_the_readme_api_lines_run_as_written(tmp_path):
+    (tmp_path / "api.py").write_text(API_JOB)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "api.py"], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("PATHS ddpx shared-memory engine") == 2, done.stdout
+    assert done.stdout.count("STEPS auto") == 2 and done.stdout.count("ACCELERATE 2") == 2
+
+
+def _folder_with_scripts(tmp_path: Path) -> Path:
+    """A working folder that sees the repository's scripts/ (what a command writes stays here)."""
+    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    return tmp_path
+
+
+@pytest.mark.parametrize("command", sorted(RUN_HERE))
+def test_a_readme_command_runs_as_written(command, tmp_path):
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300,
+                          cwd=_folder_with_scripts(tmp_path),
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert RUN_HERE[command] in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(testbed.unavailable() is not None, reason=str(testbed.unavailable()))
+def test_the_readme_multinode_command_runs_on_two_hosts(tmp_path):
+    folder = _folder_with_scripts(tmp_path)
+    with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:
+        assert bed.master_addr == "10.0.0.1"
+        env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        jobs = [bed.popen(node, ["bash", "-c", command], env=env, cwd=folder,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for node, command in enumerate(
+                    [MULTINODE, MULTINODE.replace("--machine_rank 0", "--machine_rank 1")])]
+        outputs = bed.communicate(jobs, timeout=300)
+    assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
+    assert "world size 4" in outputs[0] and "final loss" in outputs[0], outputs[0]
+
+
 def test_the_settings_table_is_the_registry():
     from ddpx.settings import SETTINGS
 
@@ -40,3 +225,4 @@ def test_the_settings_table_is_the_registry():
     rows = re.findall(r"^\| `(DDPX_\w+)` \| (.+?) \| (.+?) \|$", table, re.M)
     assert rows == [(s.name, "unset" if s.default is None else f"`{s.default}`", s.meaning)
                     for s in SETTINGS]
+
