@@ -55,8 +55,9 @@ def test_a_second_build_compiles_nothing_and_leaves_the_loaded_extension(tmp_pat
 
     log, compiled = build_wheel(tmp_path)
     assert compiled is None, (
-        f"the second build compiled again ({compiled}): either csrc/ changed since "
-        "ddpx was installed (`pip install -e .` again), or the build lost the objects")
+        f"the second build compiled again ({compiled}): csrc/ changed since ddpx was "
+        "installed (`pip install -e .` again), the build's settings differ from the install's "
+        "(TORCH_CUDA_ARCH_LIST, DEBUG, DDPX_SKIP_CUDA), or the build lost the objects")
     assert "ninja: no work to do" in log, log
 
     wheels = list(tmp_path.glob("ddpx-*.whl"))
