@@ -20,15 +20,17 @@ logger = logging.getLogger("ddpx")
 
 _module: ModuleType | None = None
 _how: str | None = None
+# Where this ddpx was imported from (a checkout in the working directory can come before the
+# installed one): said whenever its ddpx._C is missing.
+_PACKAGE = Path(__file__).resolve().parent
 
 
 def _source_dir() -> Path:
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "csrc", package.parent / "csrc"):
+    for candidate in (_PACKAGE / "csrc", _PACKAGE.parent / "csrc"):
         if all((candidate / name).is_file() for name in CPP_SOURCES):
             return candidate
     raise ImportError(
-        f"ddpx: the extension ddpx._C is not built in {package} and its C++ sources are not "
+        f"ddpx: the extension ddpx._C is not built in {_PACKAGE} and its C++ sources are not "
         "installed either; reinstall ddpx with `pip install .` from a source checkout"
     )
 
@@ -86,10 +88,7 @@ def extension() -> ModuleType:
     try:
         from ddpx import _C
     except ImportError as error:
-        # Said with where ddpx came from: a checkout in the working directory, imported before the
-        # installed ddpx, is the usual way to meet an unbuilt one.
-        _C, reason = None, (f"ddpx._C is not built in {Path(__file__).resolve().parent} "
-                            f"({error})")
+        _C, reason = None, f"ddpx._C is not built in {_PACKAGE} ({error})"
     if _C is not None and _C.torch_version != torch.__version__:
         _C, reason = None, (f"ddpx._C was built for torch {_C.torch_version}, "
                             f"this is torch {torch.__version__}")
