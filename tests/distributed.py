@@ -21,9 +21,12 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from ddpx.bench import testbed
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -174,6 +177,30 @@ def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
             kill_job(launch, str(tmp_path))
     assert all(launch.returncode == 0 for launch in launches), "\n".join(logs)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
+
+
+def folder_with_scripts(tmp_path: Path) -> Path:
+    """``tmp_path``, seeing the repository's scripts/ through a link: a command written for the
+    repository's root runs there, and what it writes, and the ranks' command lines, name
+    tmp_path."""
+    (tmp_path / "scripts").symlink_to(Path(__file__).resolve().parents[1] / "scripts")
+    return tmp_path
+
+
+def run_on_two_hosts(commands: list[str], tmp_path: Path) -> list[str]:
+    """Runs commands[k] in a shell on host k of a two-host testbed whose addresses are 10.0.0.1
+    and 10.0.0.2 (what the launch commands of the docs name), from folder_with_scripts(tmp_path);
+    returns their outputs once both succeeded."""
+    folder = folder_with_scripts(tmp_path)
+    with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:
+        assert bed.master_addr == "10.0.0.1"
+        env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
+        jobs = [bed.popen(node, ["bash", "-c", command], env=env, cwd=folder,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for node, command in enumerate(commands)]
+        outputs = bed.communicate(jobs, timeout=300)
+    assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
+    return outputs
 
 
 def _segments_of(pids) -> set[str]:

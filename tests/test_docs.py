@@ -6,33 +6,19 @@ every check it makes before it starts, accepts each (a renamed flag, a value out
 refused combination fails). The torch suite's commands are -m slow's (tests/test_torch_suite.py
 runs the suite the same way), and tools/gpu_check.sh needs a GPU."""
 
-import re
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from ddpx.bench import cli, testbed
 
+from distributed import run_on_two_hosts
+from documents import code_block_commands
+
 REPO = Path(__file__).resolve().parents[1]
-DOCS = sorted((REPO / "docs").glob("*.md"))
-
-
-def doc_commands() -> dict[str, str]:
-    """Each command line of docs/' code blocks (a continued line joined, comments left out), with
-    the page it is on."""
-    found = {}
-    for page in DOCS:
-        for block in re.findall(r"^```\w*\n(.*?)^```", page.read_text(), re.S | re.M):
-            for line in block.replace("\\\n", " ").splitlines():
-                command = " ".join(re.sub(r"\s+#.*$", "", line).split())
-                if command:
-                    found[command] = page.name
-    return found
-
-
-COMMANDS = doc_commands()
+COMMANDS = sorted({command for page in (REPO / "docs").glob("*.md")
+                   for command in code_block_commands(page.read_text())})
 BENCH = sorted(command for command in COMMANDS if command.startswith("ddpx-bench "))
 # Run on two hosts made with the addresses they name (the other node with its own rank).
 MULTINODE = {
@@ -68,13 +54,6 @@ def test_a_benchmark_command_of_the_docs_is_accepted(command):
 @pytest.mark.skipif(testbed.unavailable() is not None, reason=str(testbed.unavailable()))
 @pytest.mark.parametrize("command", sorted(MULTINODE))
 def test_a_multinode_command_of_the_docs_runs_on_two_hosts(command, tmp_path):
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")
     first, second = MULTINODE[command]
-    with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:
-        env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        jobs = [bed.popen(node, ["bash", "-c", line], env=env, cwd=tmp_path,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for node, line in enumerate([command, command.replace(first, second)])]
-        outputs = bed.communicate(jobs, timeout=300)
-    assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
+    outputs = run_on_two_hosts([command, command.replace(first, second)], tmp_path)
     assert "world size 4" in outputs[0] and "final loss" in outputs[0], outputs[0]

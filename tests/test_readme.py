@@ -15,6 +15,9 @@ import pytest
 
 from ddpx.bench import testbed
 
+from distributed import folder_with_scripts, run_on_two_hosts
+from documents import code_block_commands
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 # A python block whose first line is "# NAME.py: torchrun --nproc_per_node 2 NAME.py".
@@ -22,17 +25,6 @@ RUNNABLE = {found.group(1): found.group(0)
             for found in re.finditer(r"^# (\S+\.py): torchrun --nproc_per_node 2 \1\n.*?(?=^```)",
                                      README, re.S | re.M)}
 COMMAND = re.compile(r"(pip|python|accelerate|torchrun|ddpx-bench|bash|docker) \S")
-
-
-def readme_commands() -> list[str]:
-    """The commands of the README's bash blocks, a continued line joined, without comments."""
-    found = []
-    for block in re.findall(r"^```bash\n(.*?)^```", README, re.S | re.M):
-        for line in block.replace("\\\n", " ").splitlines():
-            command = " ".join(re.sub(r"\s+#.*$", "", line).split())
-            if command:
-                found.append(command)
-    return found
 
 
 def readme_inline_code() -> list[str]:
@@ -155,7 +147,7 @@ dist.destroy_process_group()
 def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
     assert README.count("```python\n") == len(RUNNABLE)
-    lines = readme_commands() + readme_inline_code()
+    lines = code_block_commands(README, "bash") + readme_inline_code()
     known = [*RUN_HERE, MULTINODE, *IN_JOBS, *IN_CI, *ELSEWHERE]
     assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
     ci = (REPO / ".ci" / "run").read_text()
@@ -188,16 +180,10 @@ def test_the_readme_api_lines_run_as_written(tmp_path):
     assert done.stdout.count("STEPS auto") == 2 and done.stdout.count("ACCELERATE 2") == 2
 
 
-def _folder_with_scripts(tmp_path: Path) -> Path:
-    """A working folder that sees the repository's scripts/ (what a command writes stays here)."""
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")
-    return tmp_path
-
-
 @pytest.mark.parametrize("command", sorted(RUN_HERE))
 def test_a_readme_command_runs_as_written(command, tmp_path):
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300,
-                          cwd=_folder_with_scripts(tmp_path),
+                          cwd=folder_with_scripts(tmp_path),
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert RUN_HERE[command] in done.stdout, done.stdout + done.stderr
@@ -205,16 +191,8 @@ def test_a_readme_command_runs_as_written(command, tmp_path):
 
 @pytest.mark.skipif(testbed.unavailable() is not None, reason=str(testbed.unavailable()))
 def test_the_readme_multinode_command_runs_on_two_hosts(tmp_path):
-    folder = _folder_with_scripts(tmp_path)
-    with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:
-        assert bed.master_addr == "10.0.0.1"
-        env = {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        jobs = [bed.popen(node, ["bash", "-c", command], env=env, cwd=folder,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for node, command in enumerate(
-                    [MULTINODE, MULTINODE.replace("--machine_rank 0", "--machine_rank 1")])]
-        outputs = bed.communicate(jobs, timeout=300)
-    assert [job.returncode for job in jobs] == [0, 0], "\n".join(outputs)
+    outputs = run_on_two_hosts(
+        [MULTINODE, MULTINODE.replace("--machine_rank 0", "--machine_rank 1")], tmp_path)
     assert "world size 4" in outputs[0] and "final loss" in outputs[0], outputs[0]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import job_processes, kill_job, run_ranks
+from distributed import folder_with_scripts, job_processes, kill_job, run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 6
@@ -164,9 +164,8 @@ def _torchrun(job: str, tmp_path) -> list[str]:
 
 
 def _script(tmp_path) -> list[str]:
-    # Through a link in tmp_path, so that the ranks' command lines name it (how the test finds
-    # them); the script is the repository's own.
-    (tmp_path / "scripts").symlink_to(REPO / "scripts")
+    # Through tmp_path, so that the ranks' command lines name it (how the test finds them).
+    folder_with_scripts(tmp_path)
     return ["accelerate", "launch", "--config_file", str(REPO / "scripts/configs/cpu.yaml"),
             str(tmp_path / "scripts/basic.py"), "--backend", "ddpx", "--timeout", str(TIMEOUT_S),
             "--steps", "100000", "--log_every", "5"]
