@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from ddpx.bench import testbed
-
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
@@ -191,6 +189,10 @@ def run_on_two_hosts(commands: list[str], tmp_path: Path) -> list[str]:
     """Runs commands[k] in a shell on host k of a two-host testbed whose addresses are 10.0.0.1
     and 10.0.0.2 (what the launch commands of the docs name), from folder_with_scripts(tmp_path);
     returns their outputs once both succeeded."""
+    # Imported here: ddpx reads its settings when first imported, and the ranks this module
+    # spawns set theirs (a test's env) before they import it.
+    from ddpx.bench import testbed
+
     folder = folder_with_scripts(tmp_path)
     with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:
         assert bed.master_addr == "10.0.0.1"
