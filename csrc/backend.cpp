@@ -5,6 +5,7 @@
 #include <thread>
 #include <utility>
 
+#include "collectives.h"
 #include "torch_compat.h"
 
 namespace ddpx {
@@ -127,14 +128,6 @@ const char* op_name(const ReduceOp& op) {
   return names[std::min<int>(op.op_, ReduceOp::UNUSED)];
 }
 
-// What a sum of dtype data travels in: its own dtype, unless that would round an input (a
-// scaled 16-bit float) or a node's partial sum before it crosses to the other nodes; then float32,
-// so the result is rounded once, at the end.
-DType wire_for(DType dtype, double scale, bool spans_nodes) {
-  const bool narrow = dtype == DType::BFloat16 || dtype == DType::Float16;
-  return narrow && (scale != 1.0 || spans_nodes) ? DType::Float32 : dtype;
-}
-
 // Every input's scale before the sum: 1/world for AVG, the factor for PREMUL_SUM.
 double sum_scale(const ReduceOp& op, int world) {
   if (op.op_ == ReduceOp::AVG) return 1.0 / world;
@@ -207,7 +200,7 @@ std::vector<at::Tensor> parts_of(const at::Tensor& flat, int world, int64_t coun
 
 // Reduces the contiguous `data` in place over the node's ranks with op: all-gathered a chunk at
 // a time, combined in rank order, exactly (as gloo does, integer sums wrapping around).
-void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& op,
+void reduce_gathered(NodeComm& shm, const at::Tensor& data, const ReduceOp& op,
                      const std::string& what) {
   const int n = shm.group_size();
   const int64_t numel = data.numel();
@@ -220,8 +213,8 @@ void reduce_gathered(ShmAllreduce& shm, const at::Tensor& data, const ReduceOp& 
     at::Tensor rows = rows_buffer.narrow(0, 0, n * todo).view({n, todo});
     std::vector<at::Tensor> row_list;
     for (int r = 0; r < n; ++r) row_list.push_back(rows[r]);
-    shm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(), int32_t(data.scalar_type()),
-                  pointers<void*>(row_list).data(), what);
+    ddpx::allgather(shm, piece.data_ptr(), size_t(todo) * data.element_size(),
+                    int32_t(data.scalar_type()), pointers<void*>(row_list).data(), what);
     piece.copy_(rows[0]);
     for (int r = 1; r < n; ++r) combine(piece, rows[r], op);
   }
@@ -276,7 +269,7 @@ std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int wor
 }
 
 // reduce_scatter on the node: output = the reduction over ranks of their parts[me].
-void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
+void run_reduce_scatter(NodeComm& shm, const at::Tensor& output,
                         const std::vector<at::Tensor>& parts, const ReduceOp& op, int world,
                         const std::string& what) {
   at::Tensor out = dense(output);
@@ -284,9 +277,10 @@ void run_reduce_scatter(ShmAllreduce& shm, const at::Tensor& output,
   for (const auto& part : parts) ins.push_back(apart_from(dense(part), out, at::Tensor()));
   if (kernel_sum(out, op)) {
     const DType dtype = *to_dtype(out.scalar_type());
-    const double scale = sum_scale(op, world);
-    shm.reduce_scatter(pointers<const void*>(ins).data(), out.data_ptr(), dtype,
-                       wire_for(dtype, scale, false), out.numel(), scale, what);
+    const Request request{sum_scale(op, world), std::nullopt, what};
+    const DType wire = *to_dtype(wire_dtype(out.scalar_type(), request));
+    ddpx::reduce_scatter(shm, pointers<const void*>(ins).data(), out.data_ptr(), dtype, wire,
+                         out.numel(), request.scale, what);
   } else {
     const std::string why = invalid_reduction(out, op, what);
     if (!why.empty()) shm.reject(why, what);
@@ -308,7 +302,7 @@ Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
       engine_(std::move(engine)),
       why_not_(std::move(why_not)) {
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
-  if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->shm().channel());
+  if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->comm().channel());
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> Backend::options() const {
@@ -353,9 +347,9 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
   const auto type = c10::ListType::create(c10::TensorType::get());
   if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
   auto run_all = [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps),
-                  timeout](ShmAllreduce& shm) {
+                  timeout](NodeComm& shm) {
     struct CallTimeout {
-      ShmAllreduce& shm;
+      NodeComm& shm;
       ~CallTimeout() { shm.set_call_timeout(std::chrono::milliseconds(0)); }
     } reset{shm};
     shm.set_call_timeout(timeout);
@@ -370,7 +364,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
     future = c10::make_intrusive<c10::ivalue::Future>(type);
     c10::IValue result;
     try {
-      engine_->run([&](ShmAllreduce& shm) { result = run_all(shm); });
+      engine_->run([&](NodeComm& shm) { result = run_all(shm); });
     } catch (...) {
       future->setError(std::current_exception());
     }
@@ -404,12 +398,10 @@ Backend::Step Backend::allreduce_step(const at::Tensor& tensor, const ReduceOp& 
   const std::string what = "torch.distributed.all_reduce (" + std::string(op_name(op)) + ")";
   const bool sum = kernel_sum(tensor, op);
   const double scale = sum ? sum_scale(op, getSize()) : 1.0;
-  return [tensor, op, sum, scale, what](ShmAllreduce& shm) {
+  return [tensor, op, sum, scale, what](NodeComm& shm) {
     at::Tensor data = dense(tensor);
     if (sum) {
-      const DType dtype = *to_dtype(data.scalar_type());
-      shm.allreduce(data.data_ptr(), dtype, data.numel(), wire_for(dtype, scale, shm.spans_nodes()),
-                    scale, what);
+      ddpx::all_reduce(shm, data, Request{scale, std::nullopt, what});
     } else {
       const std::string why = invalid_reduction(data, op, what);
       if (!why.empty()) shm.reject(why, what);
@@ -422,7 +414,7 @@ Backend::Step Backend::allreduce_step(const at::Tensor& tensor, const ReduceOp& 
 Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,
                                            const ReduceOp& op) const {
   const int world = getSize();
-  return [output, input, op, world](ShmAllreduce& shm) {
+  return [output, input, op, world](NodeComm& shm) {
     const std::string what =
         "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")";
     const std::string why = whole_error(input, output, world, what, "input", "output");
@@ -433,7 +425,7 @@ Backend::Step Backend::reduce_scatter_step(const at::Tensor& output, const at::T
 
 Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor& input) const {
   const int world = getSize();
-  return [output, input, world](ShmAllreduce& shm) {
+  return [output, input, world](NodeComm& shm) {
     const std::string what = "torch.distributed.all_gather_into_tensor";
     const std::string why = whole_error(output, input, world, what, "output", "input");
     if (!why.empty()) shm.reject(why, what);
@@ -441,8 +433,9 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(shm.group_rank()) * input.numel(), input.numel());
     const at::Tensor in = apart_from(dense(input), out, own);
-    shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), int32_t(in.scalar_type()),
-                  pointers<void*>(parts_of(out, world, input.numel())).data(), what);
+    ddpx::allgather(shm, in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                    int32_t(in.scalar_type()),
+                    pointers<void*>(parts_of(out, world, input.numel())).data(), what);
     write_back(output, out);
   };
 }
@@ -450,7 +443,7 @@ Backend::Step Backend::allgather_step(const at::Tensor& output, const at::Tensor
 Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins,
                                      bool equal_parts, std::string what) {
   return [outs = std::move(outs), ins = std::move(ins), equal_parts,
-          what = std::move(what)](ShmAllreduce& shm) {
+          what = std::move(what)](NodeComm& shm) {
     const int n = shm.group_size(), me = shm.group_rank();
     const auto bytes = [](const at::Tensor& t) { return t.defined() ? t.nbytes() : size_t(0); };
     const auto where = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
@@ -490,8 +483,8 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
       std::vector<int64_t> mine(sends.begin(), sends.end()), all(size_t(n * n));
       std::vector<void*> rows;
       for (int r = 0; r < n; ++r) rows.push_back(all.data() + r * n);
-      shm.allgather(mine.data(), mine.size() * sizeof(int64_t), int32_t(at::kLong), rows.data(),
-                    what);
+      ddpx::allgather(shm, mine.data(), mine.size() * sizeof(int64_t), int32_t(at::kLong),
+                      rows.data(), what);
       longest = size_t(*std::max_element(all.begin(), all.end()));
       for (int r = 0; r < n && why.tellp() == 0; ++r) {
         if (size_t(all[size_t(r * n + me)]) != receives[size_t(r)]) {
@@ -508,7 +501,8 @@ Backend::Step Backend::alltoall_step(std::vector<at::Tensor> outs, std::vector<a
         if (t.defined()) torch_dtype = int32_t(t.scalar_type());
       }
     }
-    shm.alltoall(from.data(), sends.data(), to.data(), receives.data(), longest, torch_dtype, what);
+    ddpx::alltoall(shm, from.data(), sends.data(), to.data(), receives.data(), longest, torch_dtype,
+                   what);
     for (size_t r = 0; r < outs.size(); ++r) {
       if (outs[r].defined()) write_back(outs[r], dense_outs[r]);
     }
@@ -566,11 +560,11 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   if (!engine_) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   const at::Tensor tensor = tensors[0];
   const int root = int(opts.rootRank);
-  return on_engine("broadcast", opts, tensors, {[tensor, root](ShmAllreduce& shm) {
+  return on_engine("broadcast", opts, tensors, {[tensor, root](NodeComm& shm) {
                      at::Tensor data = dense(tensor);
-                     shm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(),
-                                   int32_t(data.scalar_type()), root,
-                                   "torch.distributed.broadcast");
+                     ddpx::broadcast(
+                         shm, data.data_ptr(), size_t(data.numel()) * data.element_size(),
+                         int32_t(data.scalar_type()), root, "torch.distributed.broadcast");
                      write_back(tensor, data);
                    }});
 }
@@ -584,7 +578,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   const at::Tensor input = inputs[0];
   const int world = getSize();
   return on_engine(
-      "all_gather", opts, outs, {[outs, input, world](ShmAllreduce& shm) {
+      "all_gather", opts, outs, {[outs, input, world](NodeComm& shm) {
         const std::string what = "torch.distributed.all_gather";
         const std::string why = list_error(outs, input, world, what, "outputs");
         if (!why.empty()) shm.reject(why, what);
@@ -595,8 +589,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
           in = apart_from(in, dense_outs[size_t(r)],
                           r == shm.group_rank() ? dense_outs[size_t(r)] : at::Tensor());
         }
-        shm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(),
-                      int32_t(in.scalar_type()), pointers<void*>(dense_outs).data(), what);
+        ddpx::allgather(shm, in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                        int32_t(in.scalar_type()), pointers<void*>(dense_outs).data(), what);
         for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
       }});
 }
@@ -637,7 +631,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   const std::vector<at::Tensor> ins = inputs[0];
   const int world = getSize();
   const ReduceOp op = opts.reduceOp;
-  return on_engine("reduce_scatter", opts, outputs, {[output, ins, op, world](ShmAllreduce& shm) {
+  return on_engine("reduce_scatter", opts, outputs, {[output, ins, op, world](NodeComm& shm) {
                      const std::string what =
                          "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
                      const std::string why = list_error(ins, output, world, what, "inputs");
@@ -673,7 +667,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   if (!engine_) return on_gloo("barrier", gloo_->barrier(opts));
   return on_engine("barrier", opts, {},
-                   {[](ShmAllreduce& shm) { shm.barrier("torch.distributed.barrier"); }});
+                   {[](NodeComm& shm) { ddpx::barrier(shm, "torch.distributed.barrier"); }});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,

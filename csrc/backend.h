@@ -103,7 +103,7 @@ class Backend final : public c10d::Backend {
   std::map<std::string, RouteCounts> routes() const;
 
  private:
-  using Step = std::function<void(ShmAllreduce&)>;
+  using Step = std::function<void(NodeComm&)>;
   // Runs steps in order on the engine's thread (on this one once the engine is idle, for a
   // caller that waits at once: !async); the work completes with outputs after the last.
   c10::intrusive_ptr<c10d::Work> on_engine(const char* name, bool async,
@@ -123,7 +123,7 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, std::vector<at::Tensor>& tensors,
                                                 int peer, int tag, bool is_send);
   void count(const char* name, Route route);
-  bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
+  bool local() const { return engine_ && !engine_->comm().spans_nodes(); }
   Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
   Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
   Step reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,

@@ -24,7 +24,7 @@ namespace py = pybind11;
 namespace ddpx {
 namespace {
 
-// engine.steps' names, in ShmAllreduce::Steps' order.
+// engine.steps' names, in ScheduleChoice::Policy's order.
 constexpr const char* kStepsNames[] = {"timed", "narrow", "wide", "shared", "auto"};
 
 DType kernel_dtype(const at::Tensor& t) {
@@ -55,7 +55,6 @@ void bind_cuda(py::module& m);  // csrc/cuda/cuda_engine.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace ddpx;
   m.attr("torch_version") = DDPX_STRINGIFY(DDPX_TORCH_VERSION);
-  m.attr("max_local_ranks") = kMaxLocalRanks;
 #ifdef DDPX_WITH_CUDA
   m.attr("has_cuda_kernels") = true;
   bind_cuda(m);
@@ -103,10 +102,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ShmEngine, Engine, std::shared_ptr<ShmEngine>>(m, "ShmEngine", py::module_local())
       .def_property_readonly("cross_node_bytes", &ShmEngine::cross_node_bytes)
       .def_property(
-          "one_shot_bytes", [](ShmEngine& e) { return e.shm().one_shot_bytes(); },
-          [](ShmEngine& e, size_t bytes) { e.shm().set_one_shot_bytes(bytes); })
+          "one_shot_bytes", [](ShmEngine& e) { return e.comm().schedule().one_shot_bytes(); },
+          [](ShmEngine& e, size_t bytes) { e.comm().schedule().set_one_shot_bytes(bytes); })
       .def_property(
-          "steps", [](ShmEngine& e) { return std::string(kStepsNames[int(e.shm().steps())]); },
+          "steps",
+          [](ShmEngine& e) { return std::string(kStepsNames[int(e.comm().schedule().policy())]); },
           [](ShmEngine& e, const std::string& steps) {
             const auto* const end = std::end(kStepsNames);
             const auto* const found = std::find(std::begin(kStepsNames), end, steps);
@@ -114,10 +114,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                               "ddpx: steps must be 'auto', 'shared', 'narrow', 'wide' or 'timed', "
                               "got '",
                               steps, "'");
-            e.shm().set_steps(ShmAllreduce::Steps(found - std::begin(kStepsNames)));
+            e.comm().schedule().set_policy(ScheduleChoice::Policy(found - std::begin(kStepsNames)));
           })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
-        const ShmAllreduce::WaitStats w = e.wait_stats();
+        const ShmChannel::WaitStats w = e.wait_stats();
         py::dict stats;
         stats["waited_ns"] = w.waited_ns;
         stats["waits"] = w.waits;
@@ -135,7 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
          std::string abort_key, std::vector<int> node_ranks) {
         auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
-        auto shm = std::make_unique<ShmAllreduce>(
+        auto comm = std::make_unique<NodeComm>(
             std::move(segment), ShmLayout{nranks, block_bytes, wide_bytes}, local_rank,
             std::move(ranks), one_shot_bytes, timeout, initialize);
         std::shared_ptr<CrossNode> cross_node;
@@ -144,8 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                        store.value_or(c10::intrusive_ptr<c10d::Store>()),
                                        std::move(abort_key));
         }
-        return std::make_shared<ShmEngine>(std::move(shm), std::move(cross_node), cross_chunk_bytes,
-                                           std::move(node_ranks));
+        return std::make_shared<ShmEngine>(std::move(comm), std::move(cross_node),
+                                           cross_chunk_bytes, std::move(node_ranks));
       },
       py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
       py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
@@ -230,7 +230,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("stream") = false);
   m.def(
       "kernel_reduce",
-      [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa, bool stream) {
+      [](at::Tensor dst, const std::vector<at::Tensor>& srcs, const std::string& isa, bool stream,
+         double scale) {
         TORCH_CHECK(!srcs.empty() && srcs.size() <= size_t(kMaxLocalRanks), "ddpx: 1 to ",
                     kMaxLocalRanks, " sources");
         std::vector<const void*> ptrs;
@@ -241,8 +242,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           ptrs.push_back(s.data_ptr());
         }
         kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
-                                  kernel_dtype(srcs[0]), dst.numel(),
+                                  kernel_dtype(srcs[0]), dst.numel(), scale,
                                   stream ? Store::Streaming : Store::Cached);
       },
-      py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false);
+      py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false,
+      py::arg("scale") = 1.0);
 }

@@ -203,7 +203,7 @@ class ProcessGroupCrossNode final : public CrossNode {
       link_->watch->await(*chunk->work);
       const char* received = static_cast<const char*>(chunk->received.data_ptr());
       const void* both[2] = {received, received + chunk->n * wire_size};
-      kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n,
+      kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n, 1.0,
                        Store::Cached);
     } else {
       chunk->gathering.get();  // the link thread's failure, if it had one
@@ -266,7 +266,7 @@ class ProcessGroupCrossNode final : public CrossNode {
         for (int64_t i = 0; i < nodes; ++i) {
           pieces[i] = static_cast<const char*>(c->received.data_ptr()) + i * c->piece * wire_size;
         }
-        kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece,
+        kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece, 1.0,
                          Store::Cached);
         c->work = ddpx::all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
         c->gathering_started.set_value();

@@ -1,3 +1,5 @@
+// The engines (engine.h): the shared-memory engine's queue and communication thread, the front
+// door of the node's all-reduce, and the process group's path.
 #include "engine.h"
 
 #include <c10/core/StreamGuard.h>
@@ -8,6 +10,7 @@
 #include <sstream>
 #include <utility>
 
+#include "collectives.h"
 #include "errors.h"
 #include "torch_compat.h"
 
@@ -50,11 +53,11 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   return result;
 }
 
-ShmEngine::ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node,
+ShmEngine::ShmEngine(std::unique_ptr<NodeComm> comm, std::shared_ptr<CrossNode> cross_node,
                      size_t chunk_bytes, std::vector<int> node_ranks)
     : queue_(std::make_shared<Queue>()), cross_node_(std::move(cross_node)) {
-  if (cross_node_) shm->set_cross_node(cross_node_, chunk_bytes, std::move(node_ranks));
-  queue_->shm = std::move(shm);
+  if (cross_node_) comm->set_cross_node(cross_node_, chunk_bytes, std::move(node_ranks));
+  queue_->comm = std::move(comm);
 }
 
 uint64_t ShmEngine::cross_node_bytes() const { return cross_node_ ? cross_node_->bytes_sent() : 0; }
@@ -75,19 +78,19 @@ void ShmEngine::shutdown() {
   }
 }
 
-void ShmEngine::execute(ShmAllreduce& shm, const at::Tensor& input, const Request& request) {
+void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request) {
   const std::string why = invalid_input(input, request, c10::DeviceType::CPU);
-  if (!why.empty()) shm.reject(why, request.what);
+  if (!why.empty()) comm.reject(why, request.what);
   const at::Tensor tensor = as_real(input);
   const DType dtype = *to_dtype(tensor.scalar_type());
-  const DType wire = request.wire ? *to_dtype(*request.wire) : dtype;
-  shm.allreduce(tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);
+  const DType wire = *to_dtype(wire_dtype(tensor.scalar_type(), request));
+  allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::run_async(at::Tensor tensor, Request request) {
   return submit(
-      [tensor = std::move(tensor), request = std::move(request)](ShmAllreduce& shm) {
-        execute(shm, tensor, request);
+      [tensor = std::move(tensor), request = std::move(request)](NodeComm& comm) {
+        all_reduce(comm, tensor, request);
         return c10::IValue(tensor);
       },
       c10::TensorType::get());
@@ -106,10 +109,10 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr ty
 }
 
 void ShmEngine::run(at::Tensor tensor, const Request& request) {
-  run([&](ShmAllreduce& shm) { execute(shm, tensor, request); });
+  run([&](NodeComm& comm) { all_reduce(comm, tensor, request); });
 }
 
-void ShmEngine::run(const std::function<void(ShmAllreduce&)>& op) {
+void ShmEngine::run(const std::function<void(NodeComm&)>& op) {
   Queue& q = *queue_;
   std::unique_lock<std::mutex> lock(q.mu);
   q.cv.wait(lock, [&] { return q.stopping || (q.jobs.empty() && !q.busy); });
@@ -118,7 +121,7 @@ void ShmEngine::run(const std::function<void(ShmAllreduce&)>& op) {
   lock.unlock();
   std::exception_ptr error;
   try {
-    op(*q.shm);
+    op(*q.comm);
   } catch (...) {
     error = std::current_exception();
   }
@@ -139,7 +142,7 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
     q.busy = true;
     lock.unlock();
     try {
-      job.future->markCompleted(job.op(*q.shm));
+      job.future->markCompleted(job.op(*q.comm));
     } catch (...) {
       job.future->setError(std::current_exception());
     }
@@ -151,13 +154,17 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
 
 std::string ShmEngine::describe() const {
   std::ostringstream out;
-  const ShmAllreduce& shm = *queue_->shm;
-  out << "ddpx shared-memory engine, " << shm.local_size() << " local rank"
-      << (shm.local_size() == 1 ? "" : "s") << ", " << (shm.block_bytes() >> 10) << " KiB steps";
-  if (!cross_node_ && shm.wide_bytes() > shm.block_bytes()) {
-    const std::string wide = shm.wide_sizes();
-    const std::string wide_kib = std::to_string(shm.wide_bytes() >> 10) + " KiB ones";
-    if (shm.steps() == ShmAllreduce::Steps::Timed) {
+  const NodeComm& comm = *queue_->comm;
+  const ShmChannel& channel = comm.channel();
+  const ScheduleChoice& choice = comm.schedule();
+  using Policy = ScheduleChoice::Policy;
+  const ShmLayout& layout = channel.layout();
+  out << "ddpx shared-memory engine, " << channel.size() << " local rank"
+      << (channel.size() == 1 ? "" : "s") << ", " << (layout.block_bytes >> 10) << " KiB steps";
+  if (!cross_node_ && layout.wide_bytes > layout.block_bytes) {
+    const std::string wide = choice.wide_sizes();
+    const std::string wide_kib = std::to_string(layout.wide_bytes >> 10) + " KiB ones";
+    if (choice.policy() == Policy::Timed) {
       out << " (" << wide_kib
           << " for the sizes timed faster so: " << (wide.empty() ? "none yet" : wide) << ")";
     } else if (!wide.empty()) {
@@ -166,23 +173,22 @@ std::string ShmEngine::describe() const {
   }
   out << ", " << kernels().isa << " kernels";
   if (!cross_node_) {
-    const std::string one_shot = shm.one_shot_sizes();
+    const std::string one_shot = choice.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
-    using Steps = ShmAllreduce::Steps;
-    if (shm.steps() == Steps::Shared || shm.steps() == Steps::Auto) {
-      const std::string& because = shm.channel().unreachable_because();
-      out << ", shared over " << (shm.always_one_shot_bytes() >> 10) << " KiB";
-      if (shm.steps() == Steps::Auto) {
+    if (choice.policy() == Policy::Shared || choice.policy() == Policy::Auto) {
+      const std::string& because = channel.unreachable_because();
+      out << ", shared over " << (choice.always_one_shot_bytes() >> 10) << " KiB";
+      if (choice.policy() == Policy::Auto) {
         out << " while a rank waits for its CPU";
       }
       out << " (any rank sums any block for all, in their tensors; "
-          << (!because.empty()    ? "off: " + because
-              : !shm.shared_now() ? std::string("not now")
-                                  : std::string("now"))
+          << (!because.empty()       ? "off: " + because
+              : !choice.shared_now() ? std::string("not now")
+                                     : std::string("now"))
           << ")";
     }
   }
-  out << "; " << shm.wait_policy();
+  out << "; " << channel.wait_policy();
   if (cross_node_) {
     out << ", hierarchical across " << cross_node_->nodes() << " nodes through the process group";
   }

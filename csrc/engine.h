@@ -1,7 +1,9 @@
-// The engines that reduce a tensor across a process group: the node's shared-memory all-reduce
-// driven by a communication thread, or the process group's own all-reduce where shared memory
-// cannot serve (ranks on several nodes, no room in /dev/shm). The fused hook and ddpx.all_reduce
-// drive either one through this interface.
+// The engines that reduce a tensor across a process group, and the one front door into the node's
+// collectives: the shared-memory engine, whose communication thread runs every collective of the
+// group (the hook's, ddpx.all_reduce's and the ddpx backend's) on the node communicator, in order;
+// or the process group's own all-reduce where shared memory cannot serve (no room in /dev/shm,
+// ranks that cannot share memory). The fused hook and ddpx.all_reduce drive either one through
+// this interface.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,8 +21,8 @@
 #include <vector>
 
 #include "cross_node.h"
-#include "input_checks.h"
-#include "shm_allreduce.h"
+#include "node_comm.h"
+#include "request.h"
 
 namespace ddpx {
 
@@ -31,6 +33,11 @@ namespace ddpx {
 c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
                                                          at::Tensor tensor, double scale,
                                                          bool premul_sum);
+
+// The all-reduce of a tensor on the node, whoever asks: the input checked (invalid_input: a rank's
+// invalid input is rejected, so every rank's call raises it), the wire dtype decided (wire_dtype)
+// and the sum run, in place.
+void all_reduce(NodeComm& comm, const at::Tensor& tensor, const Request& request);
 
 class Engine {
  public:
@@ -50,27 +57,28 @@ void publish_engine(const std::string& group, c10::DeviceType device,
 
 class ShmEngine final : public Engine {
  public:
-  // With a cross-node link, the collectives are hierarchical (ShmAllreduce::set_cross_node):
+  // With a cross-node link, the collectives are hierarchical (NodeComm::set_cross_node):
   // an all-reduce's slices cross in chunks of about chunk_bytes of the message, in the wire
   // dtype when compressed; node_ranks are the group ranks of each node's local ranks.
-  explicit ShmEngine(std::unique_ptr<ShmAllreduce> shm, std::shared_ptr<CrossNode> cross_node = {},
+  explicit ShmEngine(std::unique_ptr<NodeComm> comm, std::shared_ptr<CrossNode> cross_node = {},
                      size_t chunk_bytes = 0, std::vector<int> node_ranks = {});
   ~ShmEngine() override;
 
   c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
   // Runs on the calling thread once every earlier asynchronous call has finished.
   void run(at::Tensor tensor, const Request& request) override;
-  void run(const std::function<void(ShmAllreduce&)>& op);
+  void run(const std::function<void(NodeComm&)>& op);
   // Runs op on the communication thread after every earlier call; the future, of `type`, holds
   // what op returns, or its error.
-  using Op = std::function<c10::IValue(ShmAllreduce&)>;
+  using Op = std::function<c10::IValue(NodeComm&)>;
   c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
   void shutdown() override;
   // Bytes this rank has sent to other nodes so far (CrossNode::bytes_sent); zero on one node.
   uint64_t cross_node_bytes() const;
-  ShmAllreduce::WaitStats wait_stats() const { return queue_->shm->wait_stats(); }
-  ShmAllreduce& shm() { return *queue_->shm; }
+  ShmChannel::WaitStats wait_stats() const { return queue_->comm->channel().wait_stats(); }
+  // The communicator, for its settings and for set-up; collectives go through run and submit.
+  NodeComm& comm() { return *queue_->comm; }
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last
@@ -80,7 +88,7 @@ class ShmEngine final : public Engine {
       Op op;
       c10::intrusive_ptr<c10::ivalue::Future> future;
     };
-    std::unique_ptr<ShmAllreduce> shm;
+    std::unique_ptr<NodeComm> comm;
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Job> jobs;
@@ -88,7 +96,6 @@ class ShmEngine final : public Engine {
     bool stopping = false;
   };
 
-  static void execute(ShmAllreduce& shm, const at::Tensor& tensor, const Request& request);
   static void worker_loop(const std::shared_ptr<Queue>& queue);
 
   std::shared_ptr<Queue> queue_;

@@ -17,11 +17,12 @@ inline void pack_float64(double* dst, const double* src, int64_t n, double scale
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * scale;
 }
 
-inline void reduce_float64(double* dst, const double* const* srcs, int nsrc, int64_t n) {
+inline void reduce_float64(double* dst, const double* const* srcs, int nsrc, int64_t n,
+                           double scale) {
   for (int64_t i = 0; i < n; ++i) {
     double acc = srcs[0][i];
     for (int k = 1; k < nsrc; ++k) acc += srcs[k][i];
-    dst[i] = acc;
+    dst[i] = acc * scale;
   }
 }
 
@@ -68,18 +69,18 @@ void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t
 
 template <class Loops>
 void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                     int64_t n, Store store) {
+                     int64_t n, double scale, Store store) {
   require_float64_pair(dst_t, src_t);
   if (dst_t == DType::Float64) {
-    reduce_float64(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), nsrc,
-                   n);
+    reduce_float64(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), nsrc, n,
+                   scale);
     return;
   }
   dispatch_float_pair(dst_t, src_t, [&](auto* d, auto* s) {
     using D = std::remove_pointer_t<decltype(d)>;
     using S = std::remove_pointer_t<decltype(s)>;
     Loops::template reduce<D, S>(static_cast<D*>(dst), reinterpret_cast<const S* const*>(srcs),
-                                 nsrc, n, store);
+                                 nsrc, n, float(scale), store);
   });
 }
 
@@ -92,7 +93,8 @@ struct ScalarLoops {
   }
 
   template <class D, class S>
-  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, Store = Store::Cached) {
+  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, float scale,
+                     Store = Store::Cached) {
     constexpr int64_t kTile = 256;  // accumulators stay in registers/L1 across the nsrc passes
     float acc[kTile];
     for (int64_t base = 0; base < n; base += kTile) {
@@ -101,7 +103,7 @@ struct ScalarLoops {
       for (int k = 1; k < nsrc; ++k) {
         for (int64_t j = 0; j < m; ++j) acc[j] += to_float(srcs[k][base + j]);
       }
-      for (int64_t j = 0; j < m; ++j) dst[base + j] = from_float<D>(acc[j]);
+      for (int64_t j = 0; j < m; ++j) dst[base + j] = from_float<D>(acc[j] * scale);
     }
   }
 };

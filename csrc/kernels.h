@@ -23,11 +23,12 @@ enum class Store { Cached, Streaming };
 using PackFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, int64_t n,
                         double scale, Store store);
 
-// dst[i] = DstT(srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]), summed left to right in float
-// (double for Float64), so every caller that passes the same sources in the same order gets the
-// same bits whatever the instruction set. dst may alias srcs[k] element for element.
+// dst[i] = DstT((srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]) * scale), summed left to right
+// in float (double for Float64) and scaled as pack scales, rounding once, so every caller that
+// passes the same sources in the same order gets the same bits whatever the instruction set, and
+// the same as a sum packed into dst with the scale. dst may alias srcs[k] element for element.
 using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                          int64_t n, Store store);
+                          int64_t n, double scale, Store store);
 
 // dst[0..bytes) = src[0..bytes), any bits; dst and src do not overlap.
 using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Store store);

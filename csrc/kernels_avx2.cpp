@@ -103,16 +103,16 @@ struct Avx2Loops {
   }
 
   template <class D, class S>
-  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, Store store) {
+  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, float scale, Store store) {
     if (store == Store::Streaming) {
       const int64_t head = head_to_align(dst, n);
-      ScalarLoops::reduce(dst, srcs, nsrc, head);
+      ScalarLoops::reduce(dst, srcs, nsrc, head, scale);
       const S* rest[kMaxSources];
       for (int k = 0; k < nsrc; ++k) rest[k] = srcs[k] + head;
-      reduce_body<true>(dst + head, rest, nsrc, n - head);
+      reduce_body<true>(dst + head, rest, nsrc, n - head, scale);
       _mm_sfence();
     } else {
-      reduce_body<false>(dst, srcs, nsrc, n);
+      reduce_body<false>(dst, srcs, nsrc, n, scale);
     }
   }
 
@@ -143,7 +143,9 @@ struct Avx2Loops {
   }
 
   template <bool Stream, class D, class S>
-  DDPX_AVX2 static void reduce_body(D* dst, const S* const* srcs, int nsrc, int64_t n) {
+  DDPX_AVX2 static void reduce_body(D* dst, const S* const* srcs, int nsrc, int64_t n,
+                                    float scale) {
+    const __m256 f = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
       const S* s0 = srcs[0] + i;
@@ -155,20 +157,20 @@ struct Avx2Loops {
         a2 = _mm256_add_ps(a2, load8(s + 16));
         a3 = _mm256_add_ps(a3, load8(s + 24));
       }
-      store8<Stream>(dst + i, a0);
-      store8<Stream>(dst + i + 8, a1);
-      store8<Stream>(dst + i + 16, a2);
-      store8<Stream>(dst + i + 24, a3);
+      store8<Stream>(dst + i, _mm256_mul_ps(a0, f));
+      store8<Stream>(dst + i + 8, _mm256_mul_ps(a1, f));
+      store8<Stream>(dst + i + 16, _mm256_mul_ps(a2, f));
+      store8<Stream>(dst + i + 24, _mm256_mul_ps(a3, f));
     }
     for (; i + 8 <= n; i += 8) {
       __m256 a = load8(srcs[0] + i);
       for (int k = 1; k < nsrc; ++k) a = _mm256_add_ps(a, load8(srcs[k] + i));
-      store8<Stream>(dst + i, a);
+      store8<Stream>(dst + i, _mm256_mul_ps(a, f));
     }
     if (i == n) return;
     const S* tails[kMaxSources];
     for (int k = 0; k < nsrc; ++k) tails[k] = srcs[k] + i;
-    ScalarLoops::reduce(dst + i, tails, nsrc, n - i);
+    ScalarLoops::reduce(dst + i, tails, nsrc, n - i, scale);
   }
 };
 

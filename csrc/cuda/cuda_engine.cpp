@@ -66,7 +66,7 @@ class CudaEngine final : public Engine {
   FuturePtr run_async(at::Tensor tensor, Request request) override {
     const std::string why = invalid_input(tensor, request, c10::DeviceType::CUDA);
     TORCH_CHECK_VALUE(why.empty(), why);
-    const at::ScalarType wire = request.wire.value_or(as_real(tensor).scalar_type());
+    const at::ScalarType wire = wire_dtype(as_real(tensor).scalar_type(), request);
     const c10::cuda::CUDAGuard device(tensor.device());
     if (tensor.numel() == 0) return completed(tensor);
     if (wire == at::kFloat || wire == at::kDouble) {

@@ -1,8 +1,8 @@
-// How the one-node all-reduce picks its schedule per size class, and how local rank 0 times the
-// schedules for all when the steps are timed.
-#include <algorithm>
+// The all-reduce's choice of schedule: per size class, by the policy, or timed by local rank 0
+// for all.
+#include "schedule.h"
 
-#include "shm_allreduce.h"
+#include <algorithm>
 
 namespace ddpx {
 namespace {
@@ -34,30 +34,33 @@ std::string class_ranges(uint64_t mask, int shift) {
 
 }  // namespace
 
-int ShmAllreduce::size_class(size_t bytes) {
+int ScheduleChoice::size_class(size_t bytes) {
   return bytes < 2 ? 0 : std::min(kClasses - 1, 63 - __builtin_clzll(bytes - 1));
 }
 
-bool ShmAllreduce::may_run(int k, Schedule s) const {
+bool ScheduleChoice::may_run(int k, Schedule s) const {
   const size_t lo = size_t(1) << k, hi = 2 * lo;  // class k is (lo, hi]
   switch (s) {
     case kNarrow:
       return true;
     case kWide:
-      return !cross_node_ && wide_bytes() > block_bytes() && lo >= block_bytes();
+      return !spans_nodes_ && wide_bytes_ > block_bytes_ && lo >= block_bytes_;
     case kOneShot:
-      return !cross_node_ && lo >= kOneShotAlways && hi <= one_shot_bytes();
+      return !spans_nodes_ && lo >= kOneShotAlways && hi <= one_shot_bytes();
     default:
       return false;
   }
 }
 
-int ShmAllreduce::timed_class(size_t bytes) const {
+int ScheduleChoice::timed_class(size_t bytes) const {
   const int k = size_class(bytes);
-  return bytes > kOneShotAlways && (may_run(k, kWide) || may_run(k, kOneShot)) ? k : -1;
+  return policy() == Policy::Timed && bytes > kOneShotAlways &&
+                 (may_run(k, kWide) || may_run(k, kOneShot))
+             ? k
+             : -1;
 }
 
-ShmAllreduce::Schedule ShmAllreduce::scheduled(uint64_t mask, int k) {
+ScheduleChoice::Schedule ScheduleChoice::scheduled(uint64_t mask, int k) {
   return mask >> (32 + k) & 1 ? kOneShot : mask >> k & 1 ? kWide : kNarrow;
 }
 
@@ -68,7 +71,7 @@ ShmAllreduce::Schedule ShmAllreduce::scheduled(uint64_t mask, int k) {
 // runs try each schedule that may serve it in turn; then the fastest goes on, and every
 // kRetryEvery of its calls (kRetryFarSlowerEvery when the one due was far slower) the others
 // take turns at a trial.
-void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, Clock::duration took) {
+void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::duration took) {
   ScheduleTimes& t = times_[k];
   Schedule candidates[kSchedules];
   int n = 0;
@@ -121,58 +124,60 @@ void ShmAllreduce::time_schedule(int k, Schedule ran, size_t bytes, Clock::durat
   if (next == kOneShot) chosen_ |= one_shot;
 }
 
-ShmAllreduce::Schedule ShmAllreduce::schedule_for(size_t bytes, int timed) const {
+ScheduleChoice::Schedule ScheduleChoice::schedule_for(size_t bytes, int timed) const {
   if (timed >= 0) return scheduled(agreed_, timed);
-  if (!cross_node_ && bytes <= always_one_shot_bytes()) return kOneShot;
+  if (!spans_nodes_ && bytes <= always_one_shot_bytes()) return kOneShot;
   if (agreed_shared_) return kShared;
-  if (steps() == Steps::Wide && may_run(size_class(bytes), kWide)) return kWide;
+  if (policy() == Policy::Wide && may_run(size_class(bytes), kWide)) return kWide;
   return kNarrow;
 }
 
-CallMeta ShmAllreduce::call_meta(Collective op, int64_t numel, int32_t dtype, int32_t wire,
-                                 double scale, int root, int32_t torch_dtype) {
-  return CallMeta{++calls_,    numel, dtype,   wire,        scale,
-                  int32_t(op), root,  chosen_, torch_dtype, chosen_shared_};
+void ScheduleChoice::begin_call() {
+  schedules_.store(agreed_, std::memory_order_relaxed);
+  shared_now_.store(agreed_shared_, std::memory_order_relaxed);
 }
 
-// Shared calls go always (Steps::Shared) or while the machine is busy (Steps::Auto: a rank
+void ScheduleChoice::stamp(CallMeta& mine) const {
+  mine.schedules = chosen_;
+  mine.shared = chosen_shared_;
+}
+
+// Shared calls go always (Policy::Shared) or while the machine is busy (Policy::Auto: a rank
 // waited for its CPU within kBusyWindow), and need every rank to reach every peer's memory,
 // which each rank finds out once all have attached (at the first call); local rank 0 learns the
 // verdicts at a later call's first step, after each rank published its own.
-void ShmAllreduce::agree_on_schedules(uint64_t first_step) {
-  const CallMeta& zero = channel_.posted(0, first_step);
+void ScheduleChoice::agree(const CallMeta& zero, ShmChannel& channel) {
   agreed_ = zero.schedules;
   agreed_shared_ = zero.shared;
-  if (cross_node_ || channel_.size() == 1) return;
+  if (spans_nodes_ || channel.size() == 1) return;
   if (!probed_) {
-    channel_.probe_peers();
+    channel.probe_peers();
     probed_ = true;
   }
-  if (channel_.me() == 0) {
-    const bool wanted = steps() == Steps::Shared ||
-                        (steps() == Steps::Auto && channel_.waited_for_cpu_within(kBusyWindow));
-    const bool shared = wanted && channel_.reachable() == ShmChannel::Reach::Yes;
-    chosen_shared_ = shared ? 1 : 0;
+  if (channel.me() == 0) {
+    const bool wanted = policy() == Policy::Shared ||
+                        (policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow));
+    chosen_shared_ = wanted && channel.reachable() == ShmChannel::Reach::Yes ? 1 : 0;
   }
 }
 
-std::string ShmAllreduce::wide_sizes() const {
-  const Steps steps = this->steps();
-  if (!may_run(kClasses - 1, kWide) || steps == Steps::Narrow) return "";
-  if (steps == Steps::Wide) return "over " + std::to_string(block_bytes() >> 10) + " KiB";
+std::string ScheduleChoice::wide_sizes() const {
+  const Policy policy = this->policy();
+  if (!may_run(kClasses - 1, kWide) || policy == Policy::Narrow) return "";
+  if (policy == Policy::Wide) return "over " + std::to_string(block_bytes_ >> 10) + " KiB";
   return class_ranges(schedules_.load(std::memory_order_relaxed), 0);
 }
 
-size_t ShmAllreduce::always_one_shot_bytes() const {
-  if (cross_node_) return 0;
-  return steps() == Steps::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
+size_t ScheduleChoice::always_one_shot_bytes() const {
+  if (spans_nodes_) return 0;
+  return policy() == Policy::Timed ? std::min(kOneShotAlways, one_shot_bytes()) : one_shot_bytes();
 }
 
-std::string ShmAllreduce::one_shot_sizes() const {
-  if (cross_node_) return "";
+std::string ScheduleChoice::one_shot_sizes() const {
+  if (spans_nodes_) return "";
   const size_t fixed = always_one_shot_bytes();
   std::string out = fixed ? "up to " + std::to_string(fixed >> 10) + " KiB" : "";
-  if (steps() != Steps::Timed) return out;
+  if (policy() != Policy::Timed) return out;
   const std::string timed = class_ranges(schedules_.load(std::memory_order_relaxed), 32);
   return out.empty() || timed.empty() ? out + timed : out + ", " + timed;
 }

@@ -1,4 +1,5 @@
-#include "input_checks.h"
+// The engines' validator and wire rule (request.h).
+#include "request.h"
 
 #include <ATen/ops/view_as_real.h>
 
@@ -25,9 +26,13 @@ std::optional<DType> to_dtype(at::ScalarType t) {
 namespace {
 
 // torch's name of a dtype ("int64", not ScalarType's "Long"), as users wrote it.
-std::string_view dtype_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }
+std::string_view torch_name(at::ScalarType t) { return c10::getDtypeNames(t).first; }
 
 }  // namespace
+
+at::ScalarType wire_dtype(at::ScalarType data, const Request& request) {
+  return request.wire.value_or(data);
+}
 
 at::Tensor as_real(const at::Tensor& tensor) {
   return tensor.defined() && tensor.layout() == at::kStrided && tensor.is_complex()
@@ -61,17 +66,17 @@ std::string invalid_input(const at::Tensor& input, const Request& request, c10::
     why << "ddpx: " << request.what << " is not contiguous (strides " << tensor.strides()
         << "): pass tensor.contiguous() and copy the result back";
   } else if (!to_dtype(tensor.scalar_type())) {
-    why << "ddpx: " << request.what << " has dtype " << dtype_name(tensor.scalar_type())
+    why << "ddpx: " << request.what << " has dtype " << torch_name(tensor.scalar_type())
         << "; ddpx reduces float32, float64, bfloat16, float16 and complex64/128 (use "
            "torch.distributed.all_reduce for other dtypes)";
   } else if (request.wire && !to_dtype(*request.wire)) {
-    why << "ddpx: compression to " << dtype_name(*request.wire) << " is not supported";
+    why << "ddpx: compression to " << torch_name(*request.wire) << " is not supported";
   } else if (request.wire && *request.wire != tensor.scalar_type()) {
     // Compression narrows float32/bfloat16/float16 data to a 16-bit wire dtype, nothing else.
     const at::ScalarType dtype = tensor.scalar_type(), wire = *request.wire;
     const auto refuse = [&](const char* instead) {
-      why << "ddpx: " << request.what << " is " << dtype_name(dtype) << " and cannot travel as "
-          << dtype_name(wire) << "; " << instead;
+      why << "ddpx: " << request.what << " is " << torch_name(dtype) << " and cannot travel as "
+          << torch_name(wire) << "; " << instead;
     };
     if (dtype == at::kDouble) {
       refuse("compress float32/bfloat16/float16 data only");

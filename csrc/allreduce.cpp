@@ -1,0 +1,326 @@
+// The all-reduce: within the node in one of the schedules ScheduleChoice picks (schedule.h), and
+// across nodes as the node's two phases framing a cross-node sum of each rank's slices.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "collectives.h"
+#include "cross_node.h"
+
+namespace ddpx {
+namespace {
+
+using Phase = ShmChannel::Phase;
+using Clock = ShmChannel::Clock;
+using Schedule = ScheduleChoice::Schedule;
+
+// Chunks started across nodes and not yet all-gathered, per rank: enough to keep the link busy
+// while the node sums the next chunks and hands out the last (docs/design.md, "Across nodes").
+constexpr int64_t kCrossChunksInFlight = 6;
+// A shared call's blocks: narrow ones, smaller for messages of less than two per rank.
+constexpr size_t kMinSharedBlock = size_t(16) << 10;
+
+// One all-reduce's blocks: the tensor's, in the dtype it is reduced in, and this rank's slice
+// of each, which it sums for the node in the two-phase schedules.
+struct Blocks {
+  char* data;
+  DType dtype, wire, acc;       // acc: the dtype of the sums, float32 (float64 for float64)
+  int64_t numel, per_block, n;  // n: how many blocks
+  size_t data_size, wire_size, acc_size;
+  int ranks, me;
+  int64_t elements(int64_t b) const {  // in block b
+    return std::max<int64_t>(0, std::min(per_block, numel - b * per_block));
+  }
+  char* at(int64_t b) const { return data + size_t(b * per_block) * data_size; }
+  // This rank's slice [lo, hi) of a block of count elements. Slices are whole cache lines, so no
+  // two ranks write the same line of the output slot.
+  std::pair<int64_t, int64_t> slice(int64_t count) const {
+    const int64_t line = int64_t(64 / wire_size);
+    const int64_t size = (count + ranks * line - 1) / (ranks * line) * line;
+    const int64_t lo = std::min<int64_t>(count, me * size);
+    return {lo, std::min<int64_t>(count, lo + size)};
+  }
+};
+
+// What an all-reduce does at every block: the blocks, the call's description, and how.
+struct AllreduceCall {
+  NodeComm& comm;
+  ShmChannel& channel;
+  Blocks blocks;
+  CallMeta meta;
+  SumRule rule;
+  bool wide;              // wide steps
+  bool own_slice_direct;  // see allreduce
+  Store out_store;
+  const std::string& what;
+  Clock::duration skew{};  // the wait for the ranks to arrive at the first step
+};
+
+// Puts block b into this rank's input slot (less its own slice, when read in place), waits for
+// every peer's, and at the first block checks the call against the peers' (and nodes'); returns
+// the block's step.
+uint64_t arrive(AllreduceCall& call, int64_t b) {
+  const Blocks& x = call.blocks;
+  const Kernels& k = kernels();
+  const uint64_t step = call.comm.next_step();
+  const int64_t count = x.elements(b);
+  if (b == 0) call.channel.post(step, call.meta);
+  char* slot = call.channel.input_slot(x.me, step);
+  if (count > 0 && call.own_slice_direct) {
+    const auto [lo, hi] = x.slice(count);
+    k.pack(slot, x.wire, x.at(b), x.dtype, lo, call.rule.input_scale, Store::Cached);
+    k.pack(slot + size_t(hi) * x.wire_size, x.wire, x.at(b) + size_t(hi) * x.data_size, x.dtype,
+           count - hi, call.rule.input_scale, Store::Cached);
+  } else if (count > 0) {
+    k.pack(slot, x.wire, x.at(b), x.dtype, count, call.rule.input_scale, Store::Cached);
+  }
+  call.channel.publish(Phase::Arrive, step);
+  const auto waits_from = Clock::now();
+  call.channel.wait_all(Phase::Arrive, step, call.what, call.wide);
+  if (b != 0) return step;
+  call.skew = Clock::now() - waits_from;
+  call.comm.first_step(step, call.meta, call.what);
+  return step;
+}
+
+// Sums this rank's slice [lo, hi) of block b over the ranks into out, in the accumulation dtype,
+// unscaled: copy_out scales it.
+void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, int64_t hi,
+               void* out) {
+  const Blocks& x = call.blocks;
+  const void* srcs[kMaxLocalRanks];
+  for (int r = 0; r < x.ranks; ++r) {
+    srcs[r] = call.channel.input_slot(r, step) + size_t(lo) * x.wire_size;
+  }
+  if (call.own_slice_direct) srcs[x.me] = x.at(b) + size_t(lo) * x.data_size;
+  kernels().reduce(out, x.acc, srcs, x.ranks, x.wire, hi - lo, 1.0, Store::Cached);
+}
+
+// Publishes this rank's slice of the output slot, waits for the others', copies the block out.
+void copy_out(const AllreduceCall& call, uint64_t step, int64_t b) {
+  const Blocks& x = call.blocks;
+  call.channel.publish(Phase::Reduce, step);
+  call.channel.wait_all(Phase::Reduce, step, call.what, call.wide);
+  kernels().pack(x.at(b), x.dtype, call.channel.output_slot(step), x.acc, x.elements(b),
+                 call.rule.sum_scale, call.out_store);
+}
+
+void allreduce_in_node(AllreduceCall& call, bool one_shot) {
+  const Blocks& x = call.blocks;
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t b = 0; b < x.n; ++b) {
+    const uint64_t step = arrive(call, b);
+    const int64_t count = x.elements(b);
+    if (one_shot) {
+      for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
+      kernels().reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale,
+                       call.out_store);
+      continue;
+    }
+    const auto [lo, hi] = x.slice(count);
+    sum_slice(call, step, b, lo, hi, call.channel.output_slot(step) + size_t(lo) * x.acc_size);
+    copy_out(call, step, b);
+  }
+}
+
+// Small messages go in a few blocks per rank, so that ranks that run together share the work.
+size_t shared_block_bytes(const ShmLayout& layout, size_t bytes) {
+  const size_t share = (bytes / size_t(2 * layout.nranks) + kPage - 1) / kPage * kPage;
+  return std::min(layout.block_bytes, std::max(kMinSharedBlock, share));
+}
+
+// The claimer reads each peer's block (in the tensor's dtype), packs every rank's into the wire
+// dtype where the call compresses, sums them in rank order into its own tensor as the
+// one-shot schedule does, and writes the result into every peer's.
+void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
+  const Blocks& x = call.blocks;
+  const Kernels& k = kernels();
+  const int64_t count = x.elements(b);
+  if (count == 0) return;
+  const size_t raw_bytes = size_t(count) * x.data_size;
+  const size_t offset = size_t(b * x.per_block) * x.data_size;
+  const bool packed = x.wire != x.dtype;
+  const size_t raw_room = size_t(x.per_block) * x.data_size;
+  const size_t wire_room = packed ? size_t(x.per_block) * x.wire_size : 0;
+  std::vector<char>& scratch = call.comm.allreduce_buffers().shared_scratch;
+  scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
+  const void* srcs[kMaxLocalRanks];
+  for (int r = 0; r < x.ranks; ++r) {
+    char* raw = x.at(b);
+    if (r != x.me) {
+      raw = scratch.data() + size_t(r) * raw_room;
+      call.channel.read_peer(r, raw, call.channel.posted(r, step).address + offset, raw_bytes,
+                             call.what);
+    }
+    srcs[r] = raw;
+    if (packed) {
+      char* wire = scratch.data() + size_t(x.ranks) * raw_room + size_t(r) * wire_room;
+      k.pack(wire, x.wire, raw, x.dtype, count, call.rule.input_scale, Store::Cached);
+      srcs[r] = wire;
+    }
+  }
+  k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale, Store::Cached);
+  for (int r = 0; r < x.ranks; ++r) {
+    if (r == x.me) continue;
+    call.channel.write_peer(r, call.channel.posted(r, step).address + offset, x.at(b), raw_bytes,
+                            call.what);
+  }
+}
+
+// The shared schedule: blocks claimed by whichever rank gets there first, each summed by its
+// claimer straight from every rank's tensor into every rank's tensor.
+void allreduce_shared(AllreduceCall& call) {
+  const Blocks& x = call.blocks;
+  ShmChannel& channel = call.channel;
+  const uint64_t step = call.comm.next_step();
+  call.meta.address = reinterpret_cast<uint64_t>(x.data);
+  channel.post(step, call.meta);
+  channel.publish(Phase::Arrive, step);
+  const auto waits_from = Clock::now();
+  channel.wait_all(Phase::Arrive, step, call.what);
+  call.skew = Clock::now() - waits_from;
+  // Past the check every rank's tensor has this call's size, which the claimers rely on.
+  call.comm.first_step(step, call.meta, call.what);
+  uint64_t& blocks_so_far = call.comm.allreduce_buffers().shared_blocks;
+  const uint64_t first = blocks_so_far, end = first + uint64_t(x.n);
+  blocks_so_far = end;
+  uint64_t block = 0;
+  while (channel.claim_block(end, &block)) {
+    sum_block_for_all(call, step, int64_t(block - first));
+    channel.block_done(end);
+  }
+  channel.wait_blocks_done(end, call.what);
+}
+
+// This rank's slices of the blocks are summed within the node into the node sums, which cross
+// nodes in chunks of whole blocks: a network round trip per block would cost far more than the
+// extra pass over the slices. Chunks are started as soon as they are summed and handed out once
+// back, a few in flight, so the link carries one chunk while the node sums the next and hands out
+// the last. A block's output slot is written only after every peer published its previous step,
+// and they do that after reading the slot's last contents.
+void allreduce_across_nodes(AllreduceCall& call) {
+  const Blocks& x = call.blocks;
+  NodeComm& comm = call.comm;
+  CrossNode& link = comm.cross_node();
+  const int64_t full_slice = [&] {
+    const auto [lo, hi] = x.slice(std::min(x.per_block, x.numel));
+    return hi - lo;
+  }();
+  // Where block b's slice starts in the node sums, in elements; every block but the last is full.
+  auto slice_offset = [&](int64_t b) {
+    if (b < x.n) return b * full_slice;
+    const auto [lo, hi] = x.slice(x.elements(x.n - 1));
+    return (x.n - 1) * full_slice + (hi - lo);
+  };
+  const int64_t total = slice_offset(x.n);
+  std::shared_ptr<std::vector<char>>& node_sums = comm.allreduce_buffers().node_sums;
+  if (!node_sums || node_sums->size() < size_t(total) * x.acc_size) {
+    node_sums = std::make_shared<std::vector<char>>(size_t(total) * x.acc_size);
+  }
+  char* sums = node_sums->data();
+  auto sums_at = [&](int64_t b) { return sums + size_t(slice_offset(b)) * x.acc_size; };
+  // Chunk c is blocks [chunk_start(c), chunk_start(c + 1)).
+  const int64_t chunk_blocks =
+      std::max<int64_t>(1, int64_t(comm.chunk_bytes() / (size_t(x.per_block) * x.data_size)));
+  const int64_t chunks = (x.n + chunk_blocks - 1) / chunk_blocks;
+  auto chunk_start = [&](int64_t c) { return std::min(x.n, c * chunk_blocks); };
+  auto chunk_elements = [&](int64_t c) {
+    return slice_offset(chunk_start(c + 1)) - slice_offset(chunk_start(c));
+  };
+  auto hand_out_chunk = [&](int64_t c) {
+    if (chunk_elements(c) > 0) comm.across("all-reduce", call.what, [&] { link.finish_reduce(); });
+    for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
+      const uint64_t step = comm.next_step();
+      const auto [lo, hi] = x.slice(x.elements(b));
+      kernels().pack(call.channel.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
+                     x.acc, hi - lo, 1.0, Store::Cached);
+      copy_out(call, step, b);
+    }
+  };
+  int64_t handed_out = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t first = chunk_start(c);
+    for (int64_t b = first; b < chunk_start(c + 1); ++b) {
+      const uint64_t step = arrive(call, b);
+      const auto [lo, hi] = x.slice(x.elements(b));
+      sum_slice(call, step, b, lo, hi, sums_at(b));
+    }
+    // The check across nodes started with the first block and ran while the node summed it.
+    if (c == 0) comm.finish_node_check(call.meta, "", call.what);
+    if (chunk_elements(c) > 0) {
+      const std::shared_ptr<void> chunk(node_sums, sums_at(first));
+      comm.across("all-reduce", call.what,
+                  [&] { link.start_reduce(chunk, x.acc, call.rule.across, chunk_elements(c)); });
+    }
+    if (c + 1 - handed_out >= kCrossChunksInFlight) hand_out_chunk(handed_out++);
+  }
+  while (handed_out < chunks) hand_out_chunk(handed_out++);
+}
+
+}  // namespace
+
+void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
+               const std::string& what) {
+  TORCH_CHECK_VALUE(numel >= 0, "ddpx: negative element count");
+  ScheduleChoice& choice = comm.schedule();
+  const CallMeta meta =
+      comm.begin(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale, 0);
+  ShmChannel& channel = comm.channel();
+  const size_t wire_size = dtype_size(wire);
+  const size_t bytes = size_t(numel) * wire_size;
+  const int timed = choice.timed_class(bytes);
+  const Schedule schedule = choice.schedule_for(bytes, timed);
+  // A call's time, as local rank 0 times the schedules, leaves out its wait for the ranks to
+  // arrive at the first step: that is the skew the calls before left, which one-shot calls,
+  // ending without a synchronisation, pass on to whichever call comes next.
+  const auto started = Clock::now();
+  const bool wide = schedule == ScheduleChoice::kWide;
+  const ShmLayout& layout = channel.layout();
+  const int64_t per_block =
+      int64_t((wide                                  ? layout.wide_bytes
+               : schedule == ScheduleChoice::kShared ? shared_block_bytes(layout, bytes)
+                                                     : layout.block_bytes) /
+              wire_size);
+  // Two-phase sums stay in the accumulation dtype in shared memory, so a result is rounded into
+  // the tensor's dtype once, and is the same bits whichever schedule reduced it.
+  const DType acc = SumRule::accumulation(dtype);
+  const Blocks blocks{static_cast<char*>(data),
+                      dtype,
+                      wire,
+                      acc,
+                      numel,
+                      per_block,
+                      numel == 0 ? 1 : (numel + per_block - 1) / per_block,
+                      dtype_size(dtype),
+                      wire_size,
+                      dtype_size(acc),
+                      channel.size(),
+                      channel.me()};
+  const Store out_store =
+      size_t(numel) * blocks.data_size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const bool one_shot = schedule == ScheduleChoice::kOneShot;
+  // The two-phase schedule sums this rank's slice of its own block straight from the tensor
+  // when the wire holds the tensor's values unchanged (uncompressed: SumRule scales the sum), so
+  // that slice is never copied in: the same bits as packed, a sixth less memory traffic at 2
+  // ranks. Only for a tensor that fits in the cache: from memory, reading it in the sum is slower
+  // than copying it in first.
+  const bool own_slice_direct = !one_shot && wire == dtype && out_store == Store::Cached;
+  AllreduceCall call{comm, channel,          blocks,    meta, SumRule(dtype, wire, scale),
+                     wide, own_slice_direct, out_store, what};
+  if (comm.spans_nodes()) {
+    allreduce_across_nodes(call);
+    return;
+  }
+  if (schedule == ScheduleChoice::kShared) {
+    allreduce_shared(call);
+  } else {
+    allreduce_in_node(call, one_shot);
+  }
+  if (channel.me() == 0 && timed >= 0 && schedule != ScheduleChoice::kShared) {
+    choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
+  }
+}
+
+}  // namespace ddpx

@@ -1,0 +1,127 @@
+// The reduce-scatter: on one node each step's input slot holds one part per destination rank, and
+// each rank sums its part over the ranks in rank order; across nodes the node first reduce-scatters
+// what each lane's ranks receive, the lanes trade those sums, and each rank adds its part over the
+// nodes in node order, rounding once.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "collectives.h"
+#include "cross_node.h"
+
+namespace ddpx {
+namespace {
+
+// Sums out = the ranks' parts for this rank, each scaled by input_scale into wire, the sum scaled
+// by sum_scale into out_dtype.
+void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
+                            const void* const* ins, DType dtype, void* out, DType out_dtype,
+                            DType wire, int64_t count, double input_scale, double sum_scale,
+                            const std::string& what) {
+  ShmChannel& channel = comm.channel();
+  const int me = channel.me();
+  const Kernels& k = kernels();
+  const int n = channel.size();
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
+  // Each step's slot holds one part per destination rank, whole cache lines each.
+  const int64_t line = int64_t(64 / wire_size);
+  const int64_t part =
+      int64_t(channel.layout().block_bytes / (wire_size * size_t(n))) / line * line;
+  const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
+  const size_t out_size = dtype_size(out_dtype);
+  const Store store = size_t(count) * out_size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  char* dst = static_cast<char*>(out);
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t lo = s * part, todo = std::min(part, count - lo);
+    const uint64_t step = comm.exchange(
+        mine, first && s == 0,
+        [&](char* slot) {
+          if (todo <= 0) return;
+          for (int r = 0; r < n; ++r) {
+            k.pack(slot + size_t(r * part) * wire_size, wire,
+                   static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, input_scale,
+                   Store::Cached);
+          }
+        },
+        what);
+    if (todo <= 0) continue;
+    for (int r = 0; r < n; ++r) {
+      srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
+    }
+    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, store);
+  }
+}
+
+// Local rank r gets the node's sums of the parts of rank r of every node, in the accumulation
+// dtype. In pieces (cross_piece_bytes), each trade started as soon as the node has summed it.
+void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* out, DType dtype,
+                                 DType wire, int64_t count, double scale, const std::string& what) {
+  const CallMeta mine =
+      comm.begin(Collective::ReduceScatter, count, int32_t(dtype), int32_t(wire), scale, 0);
+  const SumRule rule(dtype, wire, scale);
+  CrossNode& link = comm.cross_node();
+  const std::vector<int>& node_ranks = comm.node_ranks();
+  const int nodes = link.nodes(), ranks = comm.channel().size();
+  const DType acc = SumRule::accumulation(dtype);
+  const size_t size = dtype_size(dtype), acc_size = dtype_size(acc);
+  const int64_t piece =
+      std::max<int64_t>(1, int64_t(cross_piece_bytes(size_t(count) * acc_size) / acc_size));
+  // Piece [lo, lo + n) of every node's sums lies at nodes x lo, node by node; so do the sums
+  // the other nodes send back.
+  char* sums = comm.lane_buffer(2 * size_t(count) * acc_size * size_t(nodes));
+  char* received = sums + size_t(count) * acc_size * size_t(nodes);
+  std::vector<const void*> node_ins(static_cast<size_t>(ranks));
+  for (int64_t lo = 0; lo == 0 || lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    char* piece_sums = sums + size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      for (int r = 0; r < ranks; ++r) {
+        node_ins[size_t(r)] =
+            static_cast<const char*>(ins[node_ranks[size_t(node * ranks + r)]]) + size_t(lo) * size;
+      }
+      reduce_scatter_in_node(comm, mine, lo == 0 && node == 0, node_ins.data(), dtype,
+                             piece_sums + size_t(node) * size_t(n) * acc_size, acc, wire, n,
+                             rule.input_scale, 1.0, what);
+    }
+    if (lo == 0) comm.finish_node_check(mine, "", what);
+    if (n == 0) return;
+    comm.across("transfer", what, [&] {
+      link.start_all_to_all(piece_sums, size_t(n) * acc_size,
+                            received + size_t(lo) * acc_size * size_t(nodes));
+    });
+  }
+  const void* from_nodes[kMaxSources];
+  const int here = link.node();
+  for (int64_t lo = 0; lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    comm.across("transfer", what, [&] { link.finish_trade(); });
+    const size_t at = size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      from_nodes[node] =
+          (node == here ? sums : received) + at + size_t(node) * size_t(n) * acc_size;
+    }
+    kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
+                     rule.sum_scale, Store::Cached);
+  }
+}
+
+}  // namespace
+
+void reduce_scatter(NodeComm& comm, const void* const* ins, void* out, DType dtype, DType wire,
+                    int64_t count, double scale, const std::string& what) {
+  TORCH_CHECK_VALUE(count >= 0, "ddpx: negative element count");
+  if (comm.spans_nodes()) {
+    reduce_scatter_across_nodes(comm, ins, out, dtype, wire, count, scale, what);
+    return;
+  }
+  CallMeta mine =
+      comm.begin_local(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
+  mine.wire = int32_t(wire);
+  const SumRule rule(dtype, wire, scale);
+  reduce_scatter_in_node(comm, mine, true, ins, dtype, out, dtype, wire, count, rule.input_scale,
+                         rule.sum_scale, what);
+}
+
+}  // namespace ddpx
