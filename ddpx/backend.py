@@ -26,9 +26,9 @@ from torch._C._distributed_c10d import (
 )
 
 from ddpx._ext import extension
-from ddpx.engine import (
+from ddpx._setup import (
+    Meeting,
     SharedMemoryUnavailable,
-    _Meeting,
     create_node_engine,
     cross_node_groups,
     resolve_group,
@@ -64,7 +64,7 @@ def _create_backend(options, _backend_options):
 
     engine, why_not = None, ""
     try:
-        engine = create_node_engine(_Meeting(store, "ddpx"), rank, ranks, timeout,
+        engine = create_node_engine(Meeting(store, "ddpx"), rank, ranks, timeout,
                                     make_cross_node_groups)
     except SharedMemoryUnavailable as why:
         why_not = str(why)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "describe", "flag", "positive_int", "value"]
+__all__ = ["SETTINGS", "describe", "flag", "optional_positive_int", "positive_int", "value"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ def positive_int(name: str) -> int:
         raise ValueError(f"ddpx: {name}={text!r} is not a whole number of 1 or more; unset it for "
                          f"the default, {_BY_NAME[name].default}")
     return number
+
+
+def optional_positive_int(name: str) -> int | None:
+    """``positive_int``, or None where the variable is unset and has no default."""
+    return None if value(name) is None else positive_int(name)
 
 
 def flag(name: str) -> bool:

@@ -1,0 +1,362 @@
+"""How the ranks of a process group set up its engine for CPU tensors.
+
+The ranks of the group meet through the job's c10d store, the lowest rank of each node creates the
+node's shared-memory segment under a random name, every rank maps it, and the name is unlinked as
+soon as all have, so nothing is left in /dev/shm whatever happens to the job afterwards. A group
+that spans nodes is reduced hierarchically, between nodes through process groups of the ranks
+with the same local index. Where shared memory cannot serve (no room in /dev/shm on some node),
+every rank of the group is told why, the same on each, and falls back to the process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import weakref
+from dataclasses import dataclass, fields
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpx import settings
+from ddpx._ext import extension
+
+__all__ = [
+    "EngineOptions",
+    "Meeting",
+    "SharedMemoryUnavailable",
+    "create_cpu_engine",
+    "create_node_engine",
+    "cross_chunk_bytes",
+    "cross_node_groups",
+    "group_timeout",
+    "group_with_timeout",
+    "resolve_group",
+]
+
+logger = logging.getLogger("ddpx")
+
+_SHM_DIR = "/dev/shm"
+_SEGMENT_PREFIX = "ddpx-"
+# A step's slots stay in the last-level cache (docs/design.md, "Where the defaults come from");
+# wide blocks are there for engine.steps "wide" and "timed".
+_BLOCK_KB = settings.positive_int("DDPX_BLOCK_KB")
+_WIDE_KB = settings.positive_int("DDPX_WIDE_KB")
+# Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice
+# each with a second exchange (two-phase; docs/under-load.md, "Narrow steps on an idle machine").
+_ONE_SHOT_KB = settings.positive_int("DDPX_ONE_SHOT_KB")
+# Across nodes (docs/benchmarks.md, "Across a network"): slices cross in chunks of this much of
+# the message, taking turns on this many lanes (two process groups each), so the link never waits
+# for the node.
+_CROSS_CHUNK_KB = settings.positive_int("DDPX_CROSS_CHUNK_KB")
+_CROSS_LANES = settings.positive_int("DDPX_CROSS_LANES")
+_SHM_MB = settings.optional_positive_int("DDPX_SHM_MB")
+
+_generation: dict[str, int] = {}
+
+
+def cross_chunk_bytes() -> int:
+    """How much of a message crosses nodes per chunk of the hierarchical all-reduce."""
+    return _CROSS_CHUNK_KB * 1024
+
+
+def resolve_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ddpx: torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group('gloo') first, or launch with "
+            "`accelerate launch` / `torchrun`"
+        )
+    group = group if group is not None else dist.group.WORLD
+    # new_group() hands ranks outside the group a placeholder instead of a group.
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"ddpx: rank {dist.get_rank()} is not a member of this process group; "
+            "call ddpx only from the ranks of the group, with the group they share"
+        )
+    return group
+
+
+def group_timeout(group, device: str = "cpu") -> timedelta:
+    """The timeout ``group`` was made with, for its ``device`` tensors' backend: gloo's, NCCL's
+    and ddpx's own (under TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper too); torch's default for a
+    backend that does not say."""
+    try:
+        return group._get_backend(torch.device(device)).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout
+
+
+def group_with_timeout(group, device: str, timeout: timedelta | None):
+    """``group``, or where ``timeout`` is not its own, a group of the same ranks on the same
+    backend for ``device`` tensors made with that timeout (collectively, by the group's ranks
+    alone). NCCL reads no per-call timeout (its watchdog bounds each collective by the group's),
+    nor does gloo's all-to-all: a timeout of the engine's own is its group's."""
+    if timeout is None or timeout == group_timeout(group, device):
+        return group
+    backend = group._get_backend(torch.device(device)).name()
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend=backend,
+                          use_local_synchronization=True)
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _node_identity() -> str:
+    """The machine, and the launcher's node rank (GROUP_RANK, which torchrun and accelerate
+    launch set), so that launcher nodes sharing a machine stay apart."""
+    return f"{_host_identity()}#{os.environ.get('GROUP_RANK', '0')}"
+
+
+def _remove_stale_segments() -> None:
+    """Unlinks segments whose creator died between creating and unlinking them."""
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_SEGMENT_PREFIX):
+            continue
+        pid = name[len(_SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            extension().ShmSegment.unlink("/" + name)
+
+
+def _shm_free_bytes() -> int:
+    stats = os.statvfs(_SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+class Meeting:
+    """Keys of one engine set-up in a store the group's ranks share."""
+
+    def __init__(self, store, prefix: str):
+        self.store = store
+        self.prefix = prefix
+
+    @classmethod
+    def of_group(cls, group) -> Meeting:
+        generation = _generation.get(group.group_name, 0)
+        _generation[group.group_name] = generation + 1
+        return cls(dist.distributed_c10d._get_default_store(),
+                   f"ddpx/{group.group_name}/{generation}")
+
+    def put(self, key: str, value) -> None:
+        self.store.set(f"{self.prefix}/{key}", json.dumps(value))
+
+    def get(self, key: str, rank: int):
+        """What global rank ``rank`` put at ``key``, waiting for it up to the store's timeout."""
+        try:
+            return json.loads(self.store.get(f"{self.prefix}/{key}"))
+        except RuntimeError as error:  # a timeout (DistStoreError, or FileStore's own) or a
+            # store that went away: either way the rank never got here
+            raise RuntimeError(
+                f"ddpx: rank {rank} did not join the set-up of this group's shared-memory engine "
+                f"({error}): every rank of the group makes it together, at the group's creation "
+                f"(backend 'ddpx') or at its first ddpx call (the hook's first bucket, "
+                f"ddpx.all_reduce); look at why rank {rank} has not got there"
+            ) from None
+
+
+def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
+    """The segment and its wide block: the one asked for, halved while it would take more than
+    half of what /dev/shm has free (or more than DDPX_SHM_MB), down to the block itself."""
+    C = extension()
+    _remove_stale_segments()
+    free = _shm_free_bytes()
+    room = free // 2 if _SHM_MB is None else _SHM_MB << 20
+    wide_bytes = max(wide_bytes, block_bytes) // block_bytes * block_bytes
+    while (wide_bytes > block_bytes
+           and C.shm_segment_bytes(size, block_bytes, wide_bytes) > room):
+        wide_bytes = max(block_bytes, wide_bytes // 2 // block_bytes * block_bytes)
+    nbytes = C.shm_segment_bytes(size, block_bytes, wide_bytes)
+    needs = f"the shared-memory engine needs {(nbytes >> 20) + 1} MiB for {size} ranks"
+    if _SHM_MB is not None and nbytes > _SHM_MB << 20:
+        raise RuntimeError(f"DDPX_SHM_MB={_SHM_MB} lets a segment take {_SHM_MB} MiB of /dev/shm "
+                           f"and {needs}: unset DDPX_SHM_MB, or raise it")
+    if free < nbytes + (1 << 20):
+        raise RuntimeError(
+            f"/dev/shm has {free >> 20} MiB free and {needs}: start the container with a larger "
+            "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
+        )
+    return C.ShmSegment.create(name, nbytes), wide_bytes
+
+
+class SharedMemoryUnavailable(Exception):
+    """Why shared memory cannot serve a group, the same on every rank of it: the caller falls
+    back to the process group's collectives."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """One rank's shared-memory engine, field by field the keyword arguments of
+    ``_C.make_shm_engine`` (csrc/bindings.cpp)."""
+
+    segment: object  # the node's ShmSegment: created by local rank 0, mapped by the others
+    nranks: int  # the group's ranks on this node
+    block_bytes: int  # one rank's block of a narrow step
+    wide_bytes: int  # one rank's block of a wide step
+    local_rank: int
+    ranks: list[int]  # the global rank of each local rank, which errors name
+    one_shot_bytes: int  # messages up to this size are summed whole by every rank
+    timeout_s: float  # the longest wait for a peer
+    initialize: bool  # local rank 0's engine writes the segment's headers
+    cross_node_groups: list  # between nodes: a dealing and a gathering group per lane; or none
+    cross_chunk_bytes: int  # how much of a message crosses nodes per chunk
+    store: object  # where a rank that gives up across nodes puts why, under abort_key
+    abort_key: str
+    node_ranks: list[int]  # the group ranks node by node, where the group spans nodes
+
+
+def _make_shm_engine(options: EngineOptions):
+    """The engine ``options`` describe; by keyword, so that no argument lands in another's place."""
+    return extension().make_shm_engine(
+        **{field.name: getattr(options, field.name) for field in fields(options)})
+
+
+def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, ranks: list[int],
+                       timeout: timedelta, cross_node: list, node_ranks: list[int]):
+    """Every rank of a node (``local``: its group ranks) returns its engine, or all raise
+    SharedMemoryUnavailable. ``ranks`` maps group ranks to global ones; ``node_ranks`` lists the
+    group ranks node by node, where the group spans nodes."""
+    C = extension()
+    size, index = len(local), local.index(me)
+    names = [ranks[r] for r in local]
+    block_bytes, wide_bytes, one_shot_bytes = meeting.get("layout", ranks[0])
+    if cross_node:  # the nodes would have to agree on every call's steps: narrow ones only
+        wide_bytes = block_bytes
+
+    def engine_on(segment, wide_bytes: int):
+        return _make_shm_engine(EngineOptions(
+            segment=segment, nranks=size, block_bytes=block_bytes, wide_bytes=wide_bytes,
+            local_rank=index, ranks=names, one_shot_bytes=one_shot_bytes,
+            timeout_s=timeout.total_seconds(), initialize=index == 0,
+            cross_node_groups=cross_node, cross_chunk_bytes=cross_chunk_bytes(),
+            store=meeting.store, abort_key=f"{meeting.prefix}/abort", node_ranks=node_ranks))
+
+    if index == 0:
+        name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes)
+            engine = engine_on(segment, wide_bytes)
+        except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
+            meeting.put(f"segment/{node}", {"error": str(error)})
+            C.ShmSegment.unlink(name)
+            raise SharedMemoryUnavailable(str(error)) from None
+        meeting.put(f"segment/{node}", {"name": name, "wide_bytes": wide_bytes})
+        try:
+            failures = [meeting.get(f"attached/{node}/{i}", names[i])
+                        for i in range(1, size)]
+        finally:
+            C.ShmSegment.unlink(name)
+    else:
+        segment_of_node = meeting.get(f"segment/{node}", names[0])
+        if "error" in segment_of_node:
+            raise SharedMemoryUnavailable(segment_of_node["error"])
+        wide_bytes = segment_of_node["wide_bytes"]
+        engine, failure = None, None
+        try:
+            segment = C.ShmSegment.attach(segment_of_node["name"],
+                                          C.shm_segment_bytes(size, block_bytes, wide_bytes))
+            engine = engine_on(segment, wide_bytes)
+        except Exception as error:  # noqa: BLE001
+            failure = f"rank {ranks[me]} could not map the segment: {error}"
+        meeting.put(f"attached/{node}/{index}", failure)
+        failures = [failure if i == index else meeting.get(f"attached/{node}/{i}", names[i])
+                    for i in range(1, size)]
+    failures = [f for f in failures if f is not None]
+    if failures:
+        raise SharedMemoryUnavailable(failures[0])
+    return engine
+
+
+# (global ranks, one per node in node order; index) -> their process group. Weak: torch holds a
+# group until destroy_process_group, and a new one must be made after that.
+_cross_node_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def cross_node_groups(ranks: list[int], make_group) -> list:
+    """The process groups between nodes of these global ranks, the same local index on every
+    node: a dealing and a gathering one per lane, ``make_group(ranks, lane)`` each."""
+    return [make_group(ranks, lane) for lane in range(2 * _CROSS_LANES)]
+
+
+def _shared_new_group(ranks: list[int], lane: int):
+    """Only these ranks make it (so any group can span nodes), and engines that pair the same
+    ranks share it."""
+    key = (tuple(ranks), lane)
+    group = _cross_node_groups.get(key)
+    if group is None:
+        group = dist.new_group(ranks, use_local_synchronization=True)
+        _cross_node_groups[key] = group
+    return group
+
+
+def _shared_cross_node_groups(ranks: list[int]) -> list:
+    return cross_node_groups(ranks, _shared_new_group)
+
+
+def create_node_engine(meeting: Meeting, me: int, ranks: list[int], timeout: timedelta,
+                       make_cross_node_groups):
+    """The shared-memory engine of the group whose global ranks are ``ranks`` (this rank is
+    ``ranks[me]``), made collectively through ``meeting``; the reason why shared memory
+    cannot serve it is raised as SharedMemoryUnavailable, the same on every rank.
+    ``make_cross_node_groups(ranks)`` makes the process groups between nodes, for a group that
+    spans several."""
+    size = len(ranks)
+    if me == 0:
+        meeting.put("layout", [_BLOCK_KB * 1024, _WIDE_KB * 1024, _ONE_SHOT_KB * 1024])
+    meeting.put(f"node/{me}", _node_identity())
+    nodes = [meeting.get(f"node/{r}", ranks[r]) for r in range(size)]
+    names = list(dict.fromkeys(nodes))
+    members = [[r for r in range(size) if nodes[r] == name] for name in names]
+    node = names.index(nodes[me])
+    if len({len(m) for m in members}) > 1:
+        raise RuntimeError(
+            f"ddpx: the job's nodes run different numbers of ranks ({[len(m) for m in members]});"
+            " the hierarchical all-reduce needs the same number on every node: launch every node "
+            "with the same --nproc_per_node / --num_processes")
+    index = members[node].index(me)
+    cross_node = (make_cross_node_groups([ranks[m[index]] for m in members])
+                  if len(names) > 1 else [])
+    engine, failure = None, None
+    try:
+        engine = _create_shm_engine(meeting, me, members[node], node, ranks, timeout, cross_node,
+                                    [r for m in members for r in m] if cross_node else [])
+    except SharedMemoryUnavailable as why:
+        failure = str(why)
+    # One node without shared memory makes every node fall back: the paths must match.
+    meeting.put(f"usable/{me}", failure)
+    failures = [f for f in (meeting.get(f"usable/{r}", ranks[r]) for r in range(size))
+                if f is not None]
+    if failures:
+        reason = f"shared memory is unavailable: {failures[0]}"
+        if settings.flag("DDPX_STRICT"):
+            raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group fallback)")
+        raise SharedMemoryUnavailable(reason)
+    return engine
+
+
+def create_cpu_engine(group, timeout: timedelta | None):
+    """The engine of ``group``'s CPU tensors, made collectively by its ranks: the node's shared
+    memory, or the process group's all-reduce where that cannot serve (said once, by rank 0)."""
+    timeout = timeout if timeout is not None else group_timeout(group)
+    me = dist.get_rank(group)
+    try:
+        return create_node_engine(Meeting.of_group(group), me,
+                                  dist.get_process_group_ranks(group), timeout,
+                                  _shared_cross_node_groups)
+    except SharedMemoryUnavailable as why:
+        if me == 0:
+            logger.warning("ddpx: %s; using the process group's all-reduce instead", why)
+        return extension().make_process_group_engine(group, str(why))
