@@ -14,14 +14,13 @@ import weakref
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension
 from ddpx._setup import create_cpu_engine, group_with_timeout, resolve_group
 from ddpx._setup import cross_chunk_bytes as cross_chunk_bytes  # ddpx.bench reads it here
 
-__all__ = ["all_reduce", "engine_for", "wire_dtype"]
+__all__ = ["all_reduce", "engine_for", "sparse_engine", "wire_dtype"]
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -96,8 +95,9 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
         if compression is not None:
             raise ValueError("ddpx: a sparse tensor is summed by the process group in its own "
                              "dtype; call ddpx.all_reduce on it without compression")
-        pg = group if group is not None else _world.default_pg
-        return sparse_all_reduce(tensor, pg, 1.0 / pg.size() if average else 1.0).wait()
+        pg = resolve_group(group)
+        sparse_engine(pg).run(tensor, 1.0 / pg.size() if average else 1.0, None, "ddpx.all_reduce")
+        return tensor
     # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
     pg = group if group is not None else _world.default_pg
     # tensor.device builds a torch.device at every call (docs/design.md); is_cpu does not.
@@ -110,6 +110,14 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     wire = None if compression is None else wire_dtype(compression)
     engine.run(tensor, scale, wire, "ddpx.all_reduce")
     return tensor
+
+
+def sparse_engine(group):
+    """The engine of sparse COO tensors over ``group``: the process group's all-reduce (gloo sums
+    sparse tensors; ddpx's engines reduce dense ones, and DDP's default sends sparse gradients the
+    same way), uncompressed. The C++ hook sends its sparse buckets there too (csrc/fused_hook.h)."""
+    return extension().make_process_group_engine(
+        group, "sparse tensors go through the process group's all-reduce")
 
 
 def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
@@ -125,13 +133,3 @@ def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
 # functions so (torch/_dynamo/decorators.py), and tests/test_compile.py fails if the mark stops
 # keeping the call out of the graph.
 _operator_group._dynamo_marked_constant = True
-
-
-def sparse_all_reduce(tensor: torch.Tensor, group, scale: float) -> torch.futures.Future:
-    """Starts the sum of the sparse COO ``tensor``, scaled by ``scale``, over ``group`` in place
-    through the process group (gloo sums sparse tensors; ddpx's engines reduce dense ones, and
-    DDP's default sends sparse gradients the same way); the future holds ``tensor``."""
-    if scale != 1.0:
-        tensor.mul_(scale)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda _: tensor)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx._ext import extension
-from ddpx.engine import engine_for, sparse_all_reduce, wire_dtype
+from ddpx.engine import engine_for, sparse_engine, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -66,9 +66,11 @@ def fused_allreduce_hook(
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
     if bucket.buffer().is_sparse:
-        return sparse_all_reduce(bucket.buffer(), state.process_group, state.scale)
-    future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
-                                    f"gradient bucket {bucket.index()}")
+        engine, wire = sparse_engine(state.process_group), None
+    else:
+        engine, wire = state.engine, state.wire
+    future = engine.run_async(bucket.buffer(), state.scale, wire,
+                              f"gradient bucket {bucket.index()}")
     # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
     return future.then(lambda done: done.value())
 
