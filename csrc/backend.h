@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_steps.h"
 #include "engine.h"
 #include "shm_p2p.h"
 #include "torch_compat.h"
@@ -103,7 +104,6 @@ class Backend final : public c10d::Backend {
   std::map<std::string, RouteCounts> routes() const;
 
  private:
-  using Step = std::function<void(NodeComm&)>;
   // Runs steps in order on the engine's thread (on this one once the engine is idle, for a
   // caller that waits at once: !async); the work completes with outputs after the last.
   c10::intrusive_ptr<c10d::Work> on_engine(const char* name, bool async,
@@ -123,22 +123,7 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, std::vector<at::Tensor>& tensors,
                                                 int peer, int tag, bool is_send);
   void count(const char* name, Route route);
-  bool local() const { return engine_ && !engine_->comm().spans_nodes(); }
-  Step allreduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
-  Step allgather_step(const at::Tensor& output, const at::Tensor& input) const;
-  Step reduce_scatter_step(const at::Tensor& output, const at::Tensor& input,
-                           const c10d::ReduceOp& op) const;
-  // all_to_all of the parts: ins[r] goes to rank r, outs[r] comes from it. equal_parts: every
-  // rank's parts are all the same size, which the ranks need not trade first.
-  static Step alltoall_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins,
-                            bool equal_parts, std::string what);
-  // gather and scatter: whether this rank has one tensor and, at the root, a list of one part
-  // per rank (elsewhere none); and the all-to-all where this rank's tensor goes to the root
-  // (to_root) or comes from it, and the root's list holds every rank's part.
-  bool rooted_shape(const std::vector<at::Tensor>& mine,
-                    const std::vector<std::vector<at::Tensor>>& lists, int root) const;
-  Step rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
-                   bool to_root, std::string what) const;
+  bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
 
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
