@@ -1,12 +1,15 @@
-// The c10d surface of the ddpx backend: each override picks its call's route (the engine or the
-// inner gloo) and dispatches; the steps the engine runs are in backend_steps.cpp, the works it
-// returns in backend_work.cpp.
+// The c10d surface of the ddpx backend: each override opens the call's profiler range, picks its
+// route (the engine or the inner gloo) and dispatches; the steps the engine runs are in
+// backend_steps.cpp, the works it returns in backend_work.cpp.
 #include "backend.h"
+
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <utility>
 
 #include "backend_work.h"
+#include "caller_profiler.h"
 
 namespace ddpx {
 
@@ -63,8 +66,10 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
   count(name, Route::kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
   if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
-  auto run_all = [outputs = c10::List<at::Tensor>(outputs), steps = std::move(steps),
-                  timeout](NodeComm& comm) {
+  auto run_all = [name, profiler = CallerProfiler(), outputs = c10::List<at::Tensor>(outputs),
+                  steps = std::move(steps), timeout](NodeComm& comm) {
+    const ProfilerGuard traced(profiler);
+    RECORD_FUNCTION(std::string("ddpx::") + name + " (engine)", std::vector<c10::IValue>());
     struct CallTimeout {
       NodeComm& comm;
       ~CallTimeout() { comm.set_call_timeout(std::chrono::milliseconds(0)); }
@@ -113,6 +118,7 @@ c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
   if (!engine_ || tensors[0].layout() != at::kStrided) {
     return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
@@ -123,11 +129,13 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_reduce_sparse", std::vector<c10::IValue>());
   return on_gloo("all_reduce_sparse", gloo_->allreduce_sparse(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_reduce_coalesced", std::vector<c10::IValue>());
   const bool strided = std::all_of(tensors.begin(), tensors.end(),
                                    [](const auto& t) { return t.layout() == at::kStrided; });
   if (!engine_ || !strided) {
@@ -140,6 +148,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
                                                   const c10d::BroadcastOptions& opts) {
+  RECORD_FUNCTION("ddpx::broadcast", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: broadcast takes one CPU tensor");
   if (!engine_) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
   return on_engine("broadcast", opts, tensors, {broadcast_step(tensors[0], int(opts.rootRank))});
@@ -148,6 +157,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
 c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs,
                                                   const c10d::AllgatherOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_gather", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
                     "ddpx: all_gather takes one CPU tensor");
   if (!engine_) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
@@ -157,6 +167,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_gather_into_tensor", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
@@ -167,6 +178,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_gather_into_tensor_coalesced", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("all_gather_into_tensor_coalesced",
                    gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
@@ -182,12 +194,14 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_gather_coalesced", std::vector<c10::IValue>());
   return on_gloo("all_gather_coalesced", gloo_->allgather_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
+  RECORD_FUNCTION("ddpx::reduce_scatter", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
                     "ddpx: reduce_scatter takes one CPU tensor");
   if (!engine_) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
@@ -197,6 +211,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  RECORD_FUNCTION("ddpx::reduce_scatter_tensor", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
@@ -207,6 +222,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  RECORD_FUNCTION("ddpx::reduce_scatter_tensor_coalesced", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("reduce_scatter_tensor_coalesced",
                    gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
@@ -220,12 +236,14 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
+  RECORD_FUNCTION("ddpx::barrier", std::vector<c10::IValue>());
   if (!engine_) return on_gloo("barrier", gloo_->barrier(opts));
   return on_engine("barrier", opts, {}, {barrier_step()});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
                                                const c10d::ReduceOptions& opts) {
+  RECORD_FUNCTION("ddpx::reduce", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: reduce takes one CPU tensor");
   const at::Tensor& t = tensors[0];
   const int root = int(opts.rootRank);
@@ -240,6 +258,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs,
                                                const c10d::GatherOptions& opts) {
+  RECORD_FUNCTION("ddpx::gather", std::vector<c10::IValue>());
   const int root = int(opts.rootRank);
   if (!local() || !rooted_shape(inputs, outputs, root, getRank(), getSize())) {
     return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
@@ -253,6 +272,7 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ScatterOptions& opts) {
+  RECORD_FUNCTION("ddpx::scatter", std::vector<c10::IValue>());
   const int root = int(opts.rootRank);
   if (!local() || !rooted_shape(outputs, inputs, root, getRank(), getSize())) {
     return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
@@ -267,6 +287,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
                                                       std::vector<int64_t>& output_splits,
                                                       std::vector<int64_t>& input_splits,
                                                       const c10d::AllToAllOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_to_all_single", std::vector<c10::IValue>());
   const bool equal = input_splits.empty() && output_splits.empty();
   if (!engine_ || input.scalar_type() != output.scalar_type() || (!local() && !equal)) {
     return on_gloo("all_to_all_single",
@@ -280,6 +301,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
 c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs,
                                                  std::vector<at::Tensor>& inputs,
                                                  const c10d::AllToAllOptions& opts) {
+  RECORD_FUNCTION("ddpx::all_to_all", std::vector<c10::IValue>());
   const int world = getSize();
   const auto other_dtype = [&](const at::Tensor& t) {
     return t.scalar_type() != inputs[0].scalar_type();
@@ -315,14 +337,17 @@ c10::intrusive_ptr<c10d::Work> Backend::point_to_point(const char* name,
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  RECORD_FUNCTION("ddpx::send", std::vector<c10::IValue>());
   return point_to_point("send", tensors, dst, tag, true);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  RECORD_FUNCTION("ddpx::recv", std::vector<c10::IValue>());
   return point_to_point("recv", tensors, src, tag, false);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  RECORD_FUNCTION("ddpx::recv", std::vector<c10::IValue>());
   return point_to_point("recv", tensors, -1, tag, false);
 }
 

@@ -3,6 +3,10 @@
 // (hierarchically, on a job of several nodes), sends and receives on the node's point-to-point
 // rings, and what neither serves (across nodes all-to-all, gather, scatter and point-to-point)
 // goes to an inner gloo backend of the same ranks.
+//
+// In a torch.profiler trace each call shows as a range named after the torch.distributed call
+// ("ddpx::all_reduce") on the caller's thread, and the engine's run of it as "ddpx::all_reduce
+// (engine)": on the engine's thread for an async call, within the call's range for one that waits.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -4,6 +4,7 @@
 // (DDP gives each its own bucket) is averaged by the process group, as DDP's default does.
 #pragma once
 
+#include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <memory>
@@ -25,6 +26,7 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
   using c10d::CppCommHookInterface<FusedHookConfig>::CppCommHookInterface;
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    RECORD_FUNCTION("ddpx::fused_hook", std::vector<c10::IValue>());
     if (bucket.getBufferRef().is_sparse()) {
       return scaled_allreduce(*state_.group, bucket.getBufferRef(), state_.scale,
                               /*premul_sum=*/false);
