@@ -22,7 +22,7 @@ Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
       engine_(std::move(engine)),
       why_not_(std::move(why_not)) {
   TORCH_INTERNAL_ASSERT(gloo_, "ddpx: the backend needs its inner gloo");
-  if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->shm().channel());
+  if (local()) p2p_ = std::make_unique<ShmPointToPoint>(engine_->comm().channel());
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> Backend::options() const {

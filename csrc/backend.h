@@ -127,7 +127,7 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, std::vector<at::Tensor>& tensors,
                                                 int peer, int tag, bool is_send);
   void count(const char* name, Route route);
-  bool local() const { return engine_ && !engine_->shm().spans_nodes(); }
+  bool local() const { return engine_ && !engine_->comm().spans_nodes(); }
 
   const std::chrono::milliseconds timeout_;
   c10::intrusive_ptr<c10d::Backend> gloo_;

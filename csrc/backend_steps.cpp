@@ -8,8 +8,10 @@
 #include <sstream>
 #include <utility>
 
-#include "input_checks.h"
+#include "collectives.h"
+#include "engine.h"
 #include "reduce_ops.h"
+#include "request.h"
 
 namespace ddpx {
 namespace {
@@ -123,8 +125,8 @@ void reduce_gathered(NodeComm& comm, const at::Tensor& data, const ReduceOp& op,
     at::Tensor rows = rows_buffer.narrow(0, 0, n * todo).view({n, todo});
     std::vector<at::Tensor> row_list;
     for (int r = 0; r < n; ++r) row_list.push_back(rows[r]);
-    comm.allgather(piece.data_ptr(), size_t(todo) * data.element_size(),
-                   int32_t(data.scalar_type()), pointers<void*>(row_list).data(), what);
+    ddpx::allgather(comm, piece.data_ptr(), size_t(todo) * data.element_size(),
+                    int32_t(data.scalar_type()), pointers<void*>(row_list).data(), what);
     piece.copy_(rows[0]);
     for (int r = 1; r < n; ++r) combine(piece, rows[r], op);
   }
@@ -139,9 +141,10 @@ void run_reduce_scatter(NodeComm& comm, const at::Tensor& output,
   for (const auto& part : parts) ins.push_back(apart_from(dense(part), out, at::Tensor()));
   if (kernel_sum(out, op)) {
     const DType dtype = *to_dtype(out.scalar_type());
-    const double scale = sum_scale(op, world);
-    comm.reduce_scatter(pointers<const void*>(ins).data(), out.data_ptr(), dtype,
-                        wire_for(dtype, scale, false), out.numel(), scale, what);
+    const Request request{sum_scale(op, world), std::nullopt, what};
+    const DType wire = *to_dtype(wire_dtype(out.scalar_type(), request));
+    ddpx::reduce_scatter(comm, pointers<const void*>(ins).data(), out.data_ptr(), dtype, wire,
+                         out.numel(), request.scale, what);
   } else {
     const std::string why = invalid_reduction(out, op, what);
     if (!why.empty()) comm.reject(why, what);
@@ -161,9 +164,7 @@ Step all_reduce_step(const at::Tensor& tensor, const ReduceOp& op, int world) {
   return [tensor, op, sum, scale, what](NodeComm& comm) {
     at::Tensor data = dense(tensor);
     if (sum) {
-      const DType dtype = *to_dtype(data.scalar_type());
-      comm.allreduce(data.data_ptr(), dtype, data.numel(),
-                     wire_for(dtype, scale, comm.spans_nodes()), scale, what);
+      all_reduce(comm, data, Request{scale, std::nullopt, what});
     } else {
       const std::string why = invalid_reduction(data, op, what);
       if (!why.empty()) comm.reject(why, what);
@@ -176,8 +177,8 @@ Step all_reduce_step(const at::Tensor& tensor, const ReduceOp& op, int world) {
 Step broadcast_step(const at::Tensor& tensor, int root) {
   return [tensor, root](NodeComm& comm) {
     at::Tensor data = dense(tensor);
-    comm.broadcast(data.data_ptr(), size_t(data.numel()) * data.element_size(),
-                   int32_t(data.scalar_type()), root, "torch.distributed.broadcast");
+    ddpx::broadcast(comm, data.data_ptr(), size_t(data.numel()) * data.element_size(),
+                    int32_t(data.scalar_type()), root, "torch.distributed.broadcast");
     write_back(tensor, data);
   };
 }
@@ -194,8 +195,8 @@ Step all_gather_step(std::vector<at::Tensor> outs, const at::Tensor& input, int 
       in = apart_from(in, dense_outs[size_t(r)],
                       r == comm.group_rank() ? dense_outs[size_t(r)] : at::Tensor());
     }
-    comm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), int32_t(in.scalar_type()),
-                   pointers<void*>(dense_outs).data(), what);
+    ddpx::allgather(comm, in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                    int32_t(in.scalar_type()), pointers<void*>(dense_outs).data(), what);
     for (size_t r = 0; r < outs.size(); ++r) write_back(outs[r], dense_outs[r]);
   };
 }
@@ -209,8 +210,9 @@ Step all_gather_into_tensor_step(const at::Tensor& output, const at::Tensor& inp
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(comm.group_rank()) * input.numel(), input.numel());
     const at::Tensor in = apart_from(dense(input), out, own);
-    comm.allgather(in.data_ptr(), size_t(in.numel()) * in.element_size(), int32_t(in.scalar_type()),
-                   pointers<void*>(parts_of(out, world, input.numel())).data(), what);
+    ddpx::allgather(comm, in.data_ptr(), size_t(in.numel()) * in.element_size(),
+                    int32_t(in.scalar_type()),
+                    pointers<void*>(parts_of(out, world, input.numel())).data(), what);
     write_back(output, out);
   };
 }
@@ -238,7 +240,7 @@ Step reduce_scatter_tensor_step(const at::Tensor& output, const at::Tensor& inpu
 }
 
 Step barrier_step() {
-  return [](NodeComm& comm) { comm.barrier("torch.distributed.barrier"); };
+  return [](NodeComm& comm) { ddpx::barrier(comm, "torch.distributed.barrier"); };
 }
 
 Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, bool equal_parts,
@@ -284,8 +286,8 @@ Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, 
       std::vector<int64_t> mine(sends.begin(), sends.end()), all(size_t(n * n));
       std::vector<void*> rows;
       for (int r = 0; r < n; ++r) rows.push_back(all.data() + r * n);
-      comm.allgather(mine.data(), mine.size() * sizeof(int64_t), int32_t(at::kLong), rows.data(),
-                     what);
+      ddpx::allgather(comm, mine.data(), mine.size() * sizeof(int64_t), int32_t(at::kLong),
+                      rows.data(), what);
       longest = size_t(*std::max_element(all.begin(), all.end()));
       for (int r = 0; r < n && why.tellp() == 0; ++r) {
         if (size_t(all[size_t(r * n + me)]) != receives[size_t(r)]) {
@@ -302,8 +304,8 @@ Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, 
         if (t.defined()) torch_dtype = int32_t(t.scalar_type());
       }
     }
-    comm.alltoall(from.data(), sends.data(), to.data(), receives.data(), longest, torch_dtype,
-                  what);
+    ddpx::alltoall(comm, from.data(), sends.data(), to.data(), receives.data(), longest,
+                   torch_dtype, what);
     for (size_t r = 0; r < outs.size(); ++r) {
       if (outs[r].defined()) write_back(outs[r], dense_outs[r]);
     }

@@ -12,12 +12,10 @@
 #include <string>
 #include <vector>
 
-#include "shm_allreduce.h"
+#include "node_comm.h"
 
 namespace ddpx {
 
-// The node's collectives, which every step drives.
-using NodeComm = ShmAllreduce;
 using Step = std::function<void(NodeComm&)>;
 
 // all_reduce of tensor with op (also what reduce runs, the non-root ranks passing a copy).

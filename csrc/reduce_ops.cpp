@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "input_checks.h"
+#include "request.h"
 #include "torch_compat.h"
 
 namespace ddpx {
@@ -28,11 +28,6 @@ const char* op_name(const ReduceOp& op) {
   static const char* const names[] = {"SUM",  "AVG", "PRODUCT", "MIN",        "MAX",
                                       "BAND", "BOR", "BXOR",    "PREMUL_SUM", "UNUSED"};
   return names[std::min<int>(op.op_, ReduceOp::UNUSED)];
-}
-
-DType wire_for(DType dtype, double scale, bool spans_nodes) {
-  const bool narrow = dtype == DType::BFloat16 || dtype == DType::Float16;
-  return narrow && (scale != 1.0 || spans_nodes) ? DType::Float32 : dtype;
 }
 
 double sum_scale(const ReduceOp& op, int world) {

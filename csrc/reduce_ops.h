@@ -20,11 +20,6 @@ bool kernel_sum(const at::Tensor& t, const c10d::ReduceOp& op);
 // The op's name in torch.distributed.ReduceOp ("SUM"), for messages.
 const char* op_name(const c10d::ReduceOp& op);
 
-// What a sum of dtype data travels in: its own dtype, unless that would round an input (a
-// scaled 16-bit float) or a node's partial sum before it crosses to the other nodes; then float32,
-// so the result is rounded once, at the end.
-DType wire_for(DType dtype, double scale, bool spans_nodes);
-
 // Every input's scale before the sum: 1/world for AVG, the factor for PREMUL_SUM, else 1.
 double sum_scale(const c10d::ReduceOp& op, int world);
 
