@@ -5,38 +5,49 @@ odd and a few MB; the same bits on every rank; that the shared-memory engine (no
 gloo) served each collective the spec gives it (the backend's routes()); subgroups, two
 disjoint groups at once, async work, non-contiguous tensors; bad calls, a late rank and the
 group timeout; DDP without a hook (float32 against gloo, and a bfloat16 model); the
-"cpu:ddpx,cuda:..." init strings; two nodes on one machine (two torchrun launches).
+"cpu:ddpx,cuda:..." init strings. Two nodes and three are test_multinode.py's.
 
 The battery runs each section (a collective or a theme) as its own test on ranks spawned once
 per world size (conftest.py's rank_pool: a spawn costs about a second per rank on two cores); a
 section's failures name their cases in the message, the test id names the section.
 """
 
-import contextlib
 import copy
 import functools
-import hashlib
-import math
 import os
 import re
 import tempfile
-import textwrap
 import time
-import warnings
-import zlib
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_engine import HALF_ULP, SMALL_BLOCKS, assert_close_to_sum, fingerprint
+from test_engine import SMALL_BLOCKS, fingerprint
 from test_hook import SUM_ORDER_TOLERANCE
 from torch import nn
 
 from ddpx import backend_of
 
-from distributed import run_nodes, run_ranks, shm_segments, train_small_ddp
+from collective_checks import (
+    R,
+    Routes,
+    check,
+    close_to_gloo,
+    close_to_scaled_sum,
+    close_to_sum,
+    collecting,
+    digest,
+    exact_reduction,
+    expect_equal,
+    is_pow2,
+    make,
+    make_op,
+    op_scale,
+    quiet,
+    rank_order_sum,
+)
+from distributed import run_ranks, train_small_ddp
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.int32, torch.uint8]
@@ -48,209 +59,7 @@ ENGINE_ROUTES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tenso
                  "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_reduce_coalesced",
                  "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
                  "all_to_all", "gather", "scatter", "reduce", "send", "recv")
-# Half the smallest subnormal: the absolute rounding error of a result that lands there.
-TINY = {torch.float32: 2.0**-150, torch.float64: 0.0, torch.bfloat16: 2.0**-134,
-        torch.float16: 2.0**-25}
-R = dist.ReduceOp
 DISAGREE = "disagree"
-
-
-# ---------------------------------------------------------------------------------------------
-# Inputs, references and comparisons (used inside the ranks)
-
-def make(rank: int, shape, dtype: torch.dtype, salt: str = "", kind: str = "normal"):
-    """Rank ``rank``'s input for a case, the same in every process (crc32, not hash(): that is
-    salted per process). Floats: N(0, (rank+1)^2), or +-{1/2, 1, 2} (``kind="pow2"``: products
-    stay exact); ints in [-50, 50), uint8 over its whole range, bools half true."""
-    shape = tuple(shape)
-    g = torch.Generator().manual_seed(zlib.crc32(f"{rank}/{shape}/{dtype}/{salt}".encode()))
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype == torch.uint8:
-        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    if not dtype.is_floating_point:
-        return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
-    if kind == "pow2":
-        choices = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0], dtype=torch.float64)
-        return choices[torch.randint(0, 6, shape, generator=g)].to(dtype)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * (rank + 1)).to(dtype)
-
-
-def is_pow2(scale: float) -> bool:
-    return scale > 0 and math.frexp(scale)[0] == 0.5
-
-
-def rank_order_sum(inputs, scale: float = 1.0) -> torch.Tensor:
-    """The spec's float reduction, exactly: every input scaled, summed in float32 (float64 for
-    float64 data) in rank order 0, 1, 2, ..., rounded once into the inputs' dtype."""
-    dtype = inputs[0].dtype
-    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    acc = inputs[0].to(acc_dtype) * scale
-    for x in inputs[1:]:
-        acc = acc + x.to(acc_dtype) * scale
-    return acc.to(dtype)
-
-
-def exact_reduction(inputs, op: str) -> torch.Tensor:
-    """MIN/MAX/PRODUCT/SUM/BAND/BOR/BXOR without any rounding (floats: pow2 inputs for PRODUCT),
-    in the inputs' dtype; integer SUM/PRODUCT wrap like the dtype's own arithmetic."""
-    dtype = inputs[0].dtype
-    if dtype == torch.bool:
-        stack = torch.stack(inputs).to(torch.uint8)
-        if op in ("MIN", "BAND", "PRODUCT"):
-            return stack.amin(0).bool()
-        if op in ("MAX", "BOR", "SUM"):
-            return stack.amax(0).bool()
-        return (stack.sum(0) % 2).bool()  # BXOR
-    stack = torch.stack(inputs)
-    if op == "MIN":
-        return stack.amin(0)
-    if op == "MAX":
-        return stack.amax(0)
-    if dtype.is_floating_point:
-        assert op == "PRODUCT"
-        return stack.double().prod(0).to(dtype)
-    if op == "SUM":
-        return stack.sum(0).to(dtype)
-    if op == "PRODUCT":
-        return stack.prod(0).to(dtype)
-    bitwise = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
-    return functools.reduce(bitwise[op], inputs)
-
-
-def make_op(name: str):
-    if name.startswith("PREMUL_SUM"):
-        return dist._make_nccl_premul_sum(float(name[len("PREMUL_SUM("):-1]))
-    return getattr(R, name)
-
-
-def op_scale(name: str, world: int) -> float:
-    if name == "AVG":
-        return 1.0 / world
-    if name.startswith("PREMUL_SUM"):
-        return float(name[len("PREMUL_SUM("):-1])
-    return 1.0
-
-
-# Inside collecting(), value checks append their failures here instead of raising at the first,
-# so one run reports every wrong case: a check runs after its collective has completed on every
-# rank and changes nothing the ranks do next, so they stay in step. A collective that raises
-# still ends the run.
-_collected: list | None = None
-
-
-@contextlib.contextmanager
-def collecting():
-    global _collected
-    _collected = []
-    try:
-        yield _collected
-    finally:
-        # A pool's rank runs other bodies next, whose checks must raise.
-        _collected = None
-
-
-def fail(message: str) -> None:
-    if _collected is None:
-        raise AssertionError(message)
-    _collected.append(message)
-
-
-def check(ok: bool, message: str) -> None:
-    if not ok:
-        fail(message)
-
-
-def expect_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    if got.dtype != want.dtype or got.shape != want.shape:
-        fail(f"{what}: got {got.dtype}{tuple(got.shape)}, want {want.dtype}{tuple(want.shape)}")
-        return
-    if got.dtype == torch.bool:  # gloo's bool SUM leaves bytes of 2: compare truth values
-        got, want = got.view(torch.uint8) != 0, want.view(torch.uint8) != 0
-    if not torch.equal(got, want):
-        bad = (got != want).flatten().nonzero().flatten()
-        first = bad[0].item()
-        fail(f"{what}: {bad.numel()} of {got.numel()} elements differ; first at {first}: got "
-             f"{got.flatten()[first].item()!r}, want {want.flatten()[first].item()!r}")
-
-
-def close_to_sum(out, inputs, scale: float, what: str) -> None:
-    """test_engine's float64 bound, for SUM and scales that are powers of two (exact)."""
-    try:
-        assert_close_to_sum(out, inputs, scale)
-    except AssertionError as error:
-        fail(f"{what}: {error}")
-
-
-def _bound_check(err, bound, what):
-    if err.numel() and not bool((err <= bound).all()):
-        worst = (err - bound).argmax()
-        fail(f"{what}: error {err.flatten()[worst].item()} > bound "
-             f"{bound.flatten()[worst].item()} at {worst.item()}")
-
-
-def close_to_scaled_sum(out, inputs, scale: float, what: str) -> None:
-    """For scales that are not powers of two (AVG at 3 ranks, PREMUL_SUM(0.3)): assert_close_
-    to_sum's bound plus two roundings of each term (the scale's own in float32 and the product),
-    2 eps of each term's magnitude, and half a subnormal for a result that lands there."""
-    terms = [x.double() * scale for x in inputs]
-    exact = sum(terms)
-    magnitude = sum(t.abs() for t in terms)
-    eps = 2.0**-53 if out.dtype == torch.float64 else 2.0**-24
-    bound = ((len(inputs) + 1) * eps * magnitude + HALF_ULP[out.dtype] * exact.abs()
-             + TINY[out.dtype])
-    _bound_check((out.double() - exact).abs(), bound, what)
-
-
-def close_to_gloo(out, theirs, inputs, scale: float, what: str) -> None:
-    """ddpx against gloo where their summation orders may differ (3+ ranks, or rounding in the
-    data's dtype): each is within its own rounding bound of the exact sum, so they are within the
-    sum of both bounds of each other. ddpx: the bound of close_to_scaled_sum. gloo: its partial
-    sums may be rounded in the data's dtype (unit roundoff u per addition, at most the sum of
-    magnitudes), and AVG divides the rounded sum, rounding again: (world+1) max(eps, u) of the
-    magnitude plus 2u of the result."""
-    terms = [x.double() * scale for x in inputs]
-    exact = sum(terms)
-    magnitude = sum(t.abs() for t in terms)
-    world, dtype = len(inputs), out.dtype
-    eps = 2.0**-53 if dtype == torch.float64 else 2.0**-24
-    u = HALF_ULP[dtype]
-    ours = (world + 1) * eps * magnitude + u * exact.abs() + TINY[dtype]
-    gloos = (world + 1) * max(eps, u) * magnitude + 2 * u * exact.abs() + TINY[dtype]
-    _bound_check((out.double() - theirs.double()).abs(), ours + gloos, what + " vs gloo")
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(fingerprint(t)).hexdigest()[:20]
-
-
-class Routes:
-    """How many calls of each collective the backend's engine and its inner gloo served since
-    this was made: {name: (engine, gloo)}, names with no calls left out."""
-
-    def __init__(self, group=None):
-        self.backend = backend_of(group)
-        self.start = self._now()
-
-    def _now(self):
-        return {name: (int(v.get("engine", 0)), int(v.get("gloo", 0)))
-                for name, v in self.backend.routes().items()}
-
-    def served(self):
-        now = self._now()
-        out = {}
-        for name in set(now) | set(self.start):
-            engine = now.get(name, (0, 0))[0] - self.start.get(name, (0, 0))[0]
-            gloo = now.get(name, (0, 0))[1] - self.start.get(name, (0, 0))[1]
-            if engine or gloo:
-                out[name] = (engine, gloo)
-        return out
-
-
-def quiet():
-    # torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor: the spec's names.
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1052,246 +861,6 @@ def mixed_init(rank, world):
 def test_device_mapped_init_strings_put_cpu_tensors_on_ddpx(backend):
     described = run_ranks(mixed_init, 2, backend=backend)
     assert all(d.startswith("ddpx shared-memory engine") for d in described), described
-
-
-# ---------------------------------------------------------------------------------------------
-# Two nodes on one machine: two torchrun launches (GROUP_RANK tells the nodes apart)
-
-def multinode_checks(rank, world):
-    """The all-reduce, all-gather, broadcast, reduce-scatter, all-to-all of equal parts and
-    barrier through the engine (hierarchically), uneven all-to-all and point-to-point through
-    gloo; against gloo and the references. Returns the digests every rank must hold bit for
-    bit."""
-    quiet()
-    gloo = dist.new_group(backend="gloo")
-    routes = Routes()
-    calls = Counter()
-    prints = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        for n in (1, 4097, 300_001):
-            for name in ("SUM", "AVG"):
-                what = f"all_reduce {name} {dtype} n={n}"
-                inputs = [make(r, (n,), dtype, "mn") for r in range(world)]
-                scale = op_scale(name, world)
-                out = inputs[rank].clone()
-                dist.all_reduce(out, op=make_op(name))
-                calls["all_reduce", "engine"] += 1
-                # Node partial sums, then across: the order is no longer 0, 1, 2, 3, but every
-                # element still sees world-1 float32 additions at most.
-                close_to_sum(out, inputs, scale, what)
-                theirs = inputs[rank].clone()
-                dist.all_reduce(theirs, op=make_op(name), group=gloo)
-                close_to_gloo(out, theirs, inputs, scale, what)
-                prints[what] = digest(out)
-    inputs = [make(r, (4097,), torch.int64, "mn-max") for r in range(world)]
-    out = inputs[rank].clone()
-    dist.all_reduce(out, op=R.MAX)
-    calls["all_reduce", "engine"] += 1
-    expect_equal(out, exact_reduction(inputs, "MAX"), "MAX across nodes")
-    # Sizes from nothing to several of the engine's blocks, every root (each node, each lane).
-    for n in (0, 5000, 300_001):
-        for root in range(world):
-            t = make(rank, (n,), torch.bfloat16, "mn-b")
-            dist.broadcast(t, root)
-            calls["broadcast", "engine"] += 1
-            expect_equal(t, make(root, (n,), torch.bfloat16, "mn-b"),
-                         f"broadcast of {n} from {root} across nodes")
-        mine = make(rank, (n,), torch.float32, "mn-g")
-        everyone = [make(r, (n,), torch.float32, "mn-g") for r in range(world)]
-        gathered = torch.empty(world * n)
-        dist.all_gather_into_tensor(gathered, mine)
-        calls["all_gather_into_tensor", "engine"] += 1
-        expect_equal(gathered, torch.cat(everyone), f"all_gather_into_tensor of {n}")
-        in_place = torch.zeros(world * n)
-        in_place[rank * n:(rank + 1) * n] = mine
-        dist.all_gather_into_tensor(in_place, in_place[rank * n:(rank + 1) * n])
-        calls["all_gather_into_tensor", "engine"] += 1
-        expect_equal(in_place, torch.cat(everyone), f"in-place all_gather_into_tensor of {n}")
-        parts = [torch.empty(n) for _ in range(world)]
-        dist.all_gather(parts, mine)
-        calls["all_gather", "engine"] += 1
-        expect_equal(torch.cat(parts), torch.cat(everyone), f"all_gather of {n}")
-    for dtype, name, count in ((torch.float32, "SUM", 1000), (torch.float32, "AVG", 70_001),
-                               (torch.bfloat16, "SUM", 3000), (torch.float64, "AVG", 1000)):
-        what = f"reduce_scatter_tensor {name} {dtype} x{count}"
-        full = [make(r, (world * count,), dtype, "mn-rs") for r in range(world)]
-        out = torch.empty(count, dtype=dtype)
-        dist.reduce_scatter_tensor(out, full[rank].clone(), op=make_op(name))
-        calls["reduce_scatter_tensor", "engine"] += 1
-        mine = [x[rank * count:(rank + 1) * count] for x in full]
-        close_to_sum(out, mine, op_scale(name, world), what)
-        theirs = torch.empty(count, dtype=dtype)
-        dist.reduce_scatter_tensor(theirs, full[rank].clone(), op=make_op(name), group=gloo)
-        close_to_gloo(out, theirs, mine, op_scale(name, world), what)
-        listed = torch.empty(count, dtype=dtype)
-        dist.reduce_scatter(listed, list(full[rank].clone().chunk(world)), op=make_op(name))
-        calls["reduce_scatter", "engine"] += 1
-        expect_equal(listed, out, f"reduce_scatter (list) against the tensor form: {what}")
-    ints = [make(r, (world * 300,), torch.int32, "mn-rsi") for r in range(world)]
-    out = torch.empty(300, dtype=torch.int32)
-    dist.reduce_scatter_tensor(out, ints[rank].clone(), op=R.MIN)
-    calls["reduce_scatter_tensor", "engine"] += 1
-    expect_equal(out, exact_reduction([x[rank * 300:(rank + 1) * 300] for x in ints], "MIN"),
-                 "reduce_scatter_tensor MIN of int32 across nodes")
-    dist.barrier()
-    calls["barrier", "engine"] += 1
-    # Bad calls raise on every rank of both nodes (none waits for the other node), and the group
-    # stays in step: sizes that differ between the nodes, roots that differ, a rank that rejects
-    # its input.
-    node = rank // 2
-    dtype = torch.float32 if node == 0 else torch.int32
-    bad_calls = {
-        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
-            torch.empty(world * (10 + node)), torch.ones(10 + node)),
-        "broadcast": lambda: dist.broadcast(torch.ones(10), node),
-        "all_gather": lambda: dist.all_gather(
-            [torch.empty(10, dtype=dtype) for _ in range(world)], torch.ones(10, dtype=dtype)),
-        "all_to_all_single": lambda: dist.all_to_all_single(
-            torch.empty(world * (2 + node)), torch.ones(world * (2 + node))),
-        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
-            torch.empty(10), torch.ones(world * 10 + (rank == 3))),
-    }
-    for name, call in bad_calls.items():
-        try:
-            call()
-            fail(f"bad {name} across nodes: no error")
-        except (RuntimeError, ValueError) as error:
-            expected = ("nodes disagree" if name != "reduce_scatter_tensor" else
-                        ["failed on node 1", "failed on node 1", "rank 3 rejected", "got 41"][rank])
-            check(expected in str(error), f"bad {name} across nodes: {error}")
-        calls[name, "engine"] += 1
-        after = torch.empty(world * 3)
-        dist.all_gather_into_tensor(after, torch.full((3,), float(rank)))
-        calls["all_gather_into_tensor", "engine"] += 1
-        expect_equal(after, torch.arange(world).float().repeat_interleave(3), f"after bad {name}")
-    # A group of one rank per node: its group ranks are not the world's.
-    pair = dist.new_group([1, 2], backend="ddpx")
-    if rank in (1, 2):
-        pair_routes = Routes(pair)
-        mine = make(rank, (3000,), torch.float32, "mn-pair")
-        both = torch.empty(6000)
-        dist.all_gather_into_tensor(both, mine, group=pair)
-        expect_equal(both, torch.cat([make(r, (3000,), torch.float32, "mn-pair") for r in (1, 2)]),
-                     "all_gather_into_tensor of the pair")
-        dist.broadcast(mine, 2, group=pair)
-        expect_equal(mine, make(2, (3000,), torch.float32, "mn-pair"), "broadcast of the pair")
-        served = pair_routes.served()
-        check(served == {"all_gather_into_tensor": (1, 0), "broadcast": (1, 0)},
-              f"the pair's routes {served}")
-    # All-to-all of equal parts: nothing, one piece, several pieces (parts over 256 KiB).
-    for n in (0, 3, 300_001):
-        parts = [make(rank, (n,), torch.bfloat16, f"mn-a2a-{q}") for q in range(world)]
-        out = torch.empty(world * n, dtype=torch.bfloat16)
-        dist.all_to_all_single(out, torch.cat(parts))
-        calls["all_to_all_single", "engine"] += 1
-        expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"mn-a2a-{rank}")
-                                     for q in range(world)]), f"all_to_all_single of {n}")
-        outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(world)]
-        dist.all_to_all(outs, parts)
-        calls["all_to_all", "engine"] += 1
-        expect_equal(torch.cat(outs), out, f"all_to_all of {n}")
-    # Still gloo's across nodes: uneven splits, gather, scatter and point-to-point (a ring that
-    # crosses between the nodes and within each).
-    splits = [1 + q for q in range(world)]  # rank sends q + 1 elements to q
-    out = torch.empty(world * (rank + 1))
-    dist.all_to_all_single(out, torch.full((sum(splits),), float(rank)), output_split_sizes=[
-        rank + 1] * world, input_split_sizes=splits)
-    calls["all_to_all_single", "gloo"] += 1
-    expect_equal(out, torch.arange(world).float().repeat_interleave(rank + 1),
-                 "all_to_all_single with splits")
-    got = torch.empty(5000)
-    works = [dist.isend(make(rank, (5000,), torch.float32, "mn-p2p"), (rank + 1) % world),
-             dist.irecv(got, (rank - 1) % world)]
-    for work in works:
-        work.wait()
-    calls["send", "gloo"] += 1
-    calls["recv", "gloo"] += 1
-    expect_equal(got, make((rank - 1) % world, (5000,), torch.float32, "mn-p2p"), "isend/irecv")
-    want = {}
-    for (name, path), n in calls.items():
-        engine, via_gloo = want.get(name, (0, 0))
-        want[name] = (engine + n, via_gloo) if path == "engine" else (engine, via_gloo + n)
-    served = routes.served()
-    check(served == want, f"routes {served}, expected {want}")
-    return prints
-
-
-def multinode_body(rank, world):
-    with collecting() as failures:
-        prints = multinode_checks(rank, world)
-    return {"prints": prints, "describe": backend_of().describe(),
-            "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
-
-
-def three_node_body(rank, world):
-    """Between 3 nodes the pieces cross as all-to-alls (between 2, as all-gathers) and each node
-    keeps its own part: the all-to-all of equal parts and the reduce-scatter, in one piece and in
-    several, on the engine."""
-    with collecting() as failures:
-        routes = Routes()
-        for n in (3, 300_001):
-            parts = [make(rank, (n,), torch.bfloat16, f"3n-a2a-{q}") for q in range(world)]
-            out = torch.empty(world * n, dtype=torch.bfloat16)
-            dist.all_to_all_single(out, torch.cat(parts))
-            expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"3n-a2a-{rank}")
-                                         for q in range(world)]), f"all_to_all_single of {n}")
-            # +-{1/2, 1, 2}: every float32 sum of 6 is exact, so is any order of adding them.
-            full = [make(r, (world * n,), torch.float32, "3n-rs", kind="pow2")
-                    for r in range(world)]
-            mine = torch.empty(n)
-            dist.reduce_scatter_tensor(mine, full[rank])
-            expect_equal(mine, torch.stack(full).sum(0)[rank * n:(rank + 1) * n],
-                         f"reduce_scatter_tensor of {n}")
-        served = routes.served()
-        check(served == {"all_to_all_single": (2, 0), "reduce_scatter_tensor": (2, 0)},
-              f"routes {served}")
-    return {"describe": backend_of().describe(), "failures": failures}
-
-
-def nodes_job(body: str) -> str:
-    """A job for run_nodes: the world on ddpx's backend, then ``body``(rank, world) of this file,
-    whose result each rank writes."""
-    return textwrap.dedent(f'''
-    import gc, json, os, sys
-    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-    import torch.distributed as dist
-    import ddpx  # registers the backend
-
-    dist.init_process_group("ddpx")
-    from test_backend import {body}
-
-    out = {body}(dist.get_rank(), dist.get_world_size())
-    with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
-        json.dump(out, f)
-    gc.collect()
-    dist.destroy_process_group()
-''')
-
-
-def assert_no_failed_checks(results: list[dict]) -> None:
-    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
-    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
-
-
-def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
-    segments = shm_segments()
-    results = run_nodes(nodes_job("multinode_body"), tmp_path)
-    assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
-    assert_no_failed_checks(results)
-    for rank, result in enumerate(results):
-        assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
-        assert "point-to-point go to gloo" in result["describe"], result["describe"]
-        assert result["prints"] == results[0]["prints"], f"rank {rank} holds other bits"
-    assert shm_segments() <= segments
-
-
-@pytest.mark.slow
-def test_three_nodes_trade_all_to_all_and_reduce_scatter_on_the_engine(tmp_path):
-    segments = shm_segments()
-    results = run_nodes(nodes_job("three_node_body"), tmp_path, nodes=3)
-    assert_no_failed_checks(results)
-    assert all("hierarchical across 3 nodes" in r["describe"] for r in results), results[0]
-    assert shm_segments() <= segments
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,14 +1,38 @@
 """Two nodes on one machine: two torchrun launches side by side (--nnodes 2, 2 ranks each), so
 ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchically: within each
 node through that node's own segment, across nodes through the process group. Also with
-compression, for groups other than the world, and with bad calls that must raise on every node."""
+compression, for groups other than the world, and with bad calls that must raise on every node.
+The backend's collectives the same way, against gloo and the references (collective_checks.py,
+as test_backend.py checks one node), on two nodes and on three."""
 
 import inspect
 import os
 import textwrap
+from collections import Counter
+from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 
+from ddpx import backend_of
+
+from collective_checks import (
+    R,
+    Routes,
+    check,
+    close_to_gloo,
+    close_to_sum,
+    collecting,
+    digest,
+    exact_reduction,
+    expect_equal,
+    fail,
+    make,
+    make_op,
+    op_scale,
+    quiet,
+)
 from distributed import run_nodes, run_ranks, shm_segments, train_small_ddp
 
 JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
@@ -111,8 +135,6 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
 
 
 def uneven_nodes(rank, world):
-    import pytest
-
     import ddpx
 
     os.environ["GROUP_RANK"] = "0" if rank < 2 else "1"  # 2 ranks on node 0, 1 on node 1
@@ -124,3 +146,243 @@ def uneven_nodes(rank, world):
 def test_nodes_with_different_numbers_of_ranks_fail_at_registration_on_every_rank():
     messages = run_ranks(uneven_nodes, 3)
     assert all("--nproc_per_node" in m for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two nodes on one machine: two torchrun launches (GROUP_RANK tells the nodes apart)
+
+def multinode_checks(rank, world):
+    """The all-reduce, all-gather, broadcast, reduce-scatter, all-to-all of equal parts and
+    barrier through the engine (hierarchically), uneven all-to-all and point-to-point through
+    gloo; against gloo and the references. Returns the digests every rank must hold bit for
+    bit."""
+    quiet()
+    gloo = dist.new_group(backend="gloo")
+    routes = Routes()
+    calls = Counter()
+    prints = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for n in (1, 4097, 300_001):
+            for name in ("SUM", "AVG"):
+                what = f"all_reduce {name} {dtype} n={n}"
+                inputs = [make(r, (n,), dtype, "mn") for r in range(world)]
+                scale = op_scale(name, world)
+                out = inputs[rank].clone()
+                dist.all_reduce(out, op=make_op(name))
+                calls["all_reduce", "engine"] += 1
+                # Node partial sums, then across: the order is no longer 0, 1, 2, 3, but every
+                # element still sees world-1 float32 additions at most.
+                close_to_sum(out, inputs, scale, what)
+                theirs = inputs[rank].clone()
+                dist.all_reduce(theirs, op=make_op(name), group=gloo)
+                close_to_gloo(out, theirs, inputs, scale, what)
+                prints[what] = digest(out)
+    inputs = [make(r, (4097,), torch.int64, "mn-max") for r in range(world)]
+    out = inputs[rank].clone()
+    dist.all_reduce(out, op=R.MAX)
+    calls["all_reduce", "engine"] += 1
+    expect_equal(out, exact_reduction(inputs, "MAX"), "MAX across nodes")
+    # Sizes from nothing to several of the engine's blocks, every root (each node, each lane).
+    for n in (0, 5000, 300_001):
+        for root in range(world):
+            t = make(rank, (n,), torch.bfloat16, "mn-b")
+            dist.broadcast(t, root)
+            calls["broadcast", "engine"] += 1
+            expect_equal(t, make(root, (n,), torch.bfloat16, "mn-b"),
+                         f"broadcast of {n} from {root} across nodes")
+        mine = make(rank, (n,), torch.float32, "mn-g")
+        everyone = [make(r, (n,), torch.float32, "mn-g") for r in range(world)]
+        gathered = torch.empty(world * n)
+        dist.all_gather_into_tensor(gathered, mine)
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(gathered, torch.cat(everyone), f"all_gather_into_tensor of {n}")
+        in_place = torch.zeros(world * n)
+        in_place[rank * n:(rank + 1) * n] = mine
+        dist.all_gather_into_tensor(in_place, in_place[rank * n:(rank + 1) * n])
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(in_place, torch.cat(everyone), f"in-place all_gather_into_tensor of {n}")
+        parts = [torch.empty(n) for _ in range(world)]
+        dist.all_gather(parts, mine)
+        calls["all_gather", "engine"] += 1
+        expect_equal(torch.cat(parts), torch.cat(everyone), f"all_gather of {n}")
+    for dtype, name, count in ((torch.float32, "SUM", 1000), (torch.float32, "AVG", 70_001),
+                               (torch.bfloat16, "SUM", 3000), (torch.float64, "AVG", 1000)):
+        what = f"reduce_scatter_tensor {name} {dtype} x{count}"
+        full = [make(r, (world * count,), dtype, "mn-rs") for r in range(world)]
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, full[rank].clone(), op=make_op(name))
+        calls["reduce_scatter_tensor", "engine"] += 1
+        mine = [x[rank * count:(rank + 1) * count] for x in full]
+        close_to_sum(out, mine, op_scale(name, world), what)
+        theirs = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(theirs, full[rank].clone(), op=make_op(name), group=gloo)
+        close_to_gloo(out, theirs, mine, op_scale(name, world), what)
+        listed = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter(listed, list(full[rank].clone().chunk(world)), op=make_op(name))
+        calls["reduce_scatter", "engine"] += 1
+        expect_equal(listed, out, f"reduce_scatter (list) against the tensor form: {what}")
+    ints = [make(r, (world * 300,), torch.int32, "mn-rsi") for r in range(world)]
+    out = torch.empty(300, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, ints[rank].clone(), op=R.MIN)
+    calls["reduce_scatter_tensor", "engine"] += 1
+    expect_equal(out, exact_reduction([x[rank * 300:(rank + 1) * 300] for x in ints], "MIN"),
+                 "reduce_scatter_tensor MIN of int32 across nodes")
+    dist.barrier()
+    calls["barrier", "engine"] += 1
+    # Bad calls raise on every rank of both nodes (none waits for the other node), and the group
+    # stays in step: sizes that differ between the nodes, roots that differ, a rank that rejects
+    # its input.
+    node = rank // 2
+    dtype = torch.float32 if node == 0 else torch.int32
+    bad_calls = {
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(world * (10 + node)), torch.ones(10 + node)),
+        "broadcast": lambda: dist.broadcast(torch.ones(10), node),
+        "all_gather": lambda: dist.all_gather(
+            [torch.empty(10, dtype=dtype) for _ in range(world)], torch.ones(10, dtype=dtype)),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            torch.empty(world * (2 + node)), torch.ones(world * (2 + node))),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            torch.empty(10), torch.ones(world * 10 + (rank == 3))),
+    }
+    for name, call in bad_calls.items():
+        try:
+            call()
+            fail(f"bad {name} across nodes: no error")
+        except (RuntimeError, ValueError) as error:
+            expected = ("nodes disagree" if name != "reduce_scatter_tensor" else
+                        ["failed on node 1", "failed on node 1", "rank 3 rejected", "got 41"][rank])
+            check(expected in str(error), f"bad {name} across nodes: {error}")
+        calls[name, "engine"] += 1
+        after = torch.empty(world * 3)
+        dist.all_gather_into_tensor(after, torch.full((3,), float(rank)))
+        calls["all_gather_into_tensor", "engine"] += 1
+        expect_equal(after, torch.arange(world).float().repeat_interleave(3), f"after bad {name}")
+    # A group of one rank per node: its group ranks are not the world's.
+    pair = dist.new_group([1, 2], backend="ddpx")
+    if rank in (1, 2):
+        pair_routes = Routes(pair)
+        mine = make(rank, (3000,), torch.float32, "mn-pair")
+        both = torch.empty(6000)
+        dist.all_gather_into_tensor(both, mine, group=pair)
+        expect_equal(both, torch.cat([make(r, (3000,), torch.float32, "mn-pair") for r in (1, 2)]),
+                     "all_gather_into_tensor of the pair")
+        dist.broadcast(mine, 2, group=pair)
+        expect_equal(mine, make(2, (3000,), torch.float32, "mn-pair"), "broadcast of the pair")
+        served = pair_routes.served()
+        check(served == {"all_gather_into_tensor": (1, 0), "broadcast": (1, 0)},
+              f"the pair's routes {served}")
+    # All-to-all of equal parts: nothing, one piece, several pieces (parts over 256 KiB).
+    for n in (0, 3, 300_001):
+        parts = [make(rank, (n,), torch.bfloat16, f"mn-a2a-{q}") for q in range(world)]
+        out = torch.empty(world * n, dtype=torch.bfloat16)
+        dist.all_to_all_single(out, torch.cat(parts))
+        calls["all_to_all_single", "engine"] += 1
+        expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"mn-a2a-{rank}")
+                                     for q in range(world)]), f"all_to_all_single of {n}")
+        outs = [torch.empty(n, dtype=torch.bfloat16) for _ in range(world)]
+        dist.all_to_all(outs, parts)
+        calls["all_to_all", "engine"] += 1
+        expect_equal(torch.cat(outs), out, f"all_to_all of {n}")
+    # Still gloo's across nodes: uneven splits, gather, scatter and point-to-point (a ring that
+    # crosses between the nodes and within each).
+    splits = [1 + q for q in range(world)]  # rank sends q + 1 elements to q
+    out = torch.empty(world * (rank + 1))
+    dist.all_to_all_single(out, torch.full((sum(splits),), float(rank)), output_split_sizes=[
+        rank + 1] * world, input_split_sizes=splits)
+    calls["all_to_all_single", "gloo"] += 1
+    expect_equal(out, torch.arange(world).float().repeat_interleave(rank + 1),
+                 "all_to_all_single with splits")
+    got = torch.empty(5000)
+    works = [dist.isend(make(rank, (5000,), torch.float32, "mn-p2p"), (rank + 1) % world),
+             dist.irecv(got, (rank - 1) % world)]
+    for work in works:
+        work.wait()
+    calls["send", "gloo"] += 1
+    calls["recv", "gloo"] += 1
+    expect_equal(got, make((rank - 1) % world, (5000,), torch.float32, "mn-p2p"), "isend/irecv")
+    want = {}
+    for (name, path), n in calls.items():
+        engine, via_gloo = want.get(name, (0, 0))
+        want[name] = (engine + n, via_gloo) if path == "engine" else (engine, via_gloo + n)
+    served = routes.served()
+    check(served == want, f"routes {served}, expected {want}")
+    return prints
+
+
+def multinode_body(rank, world):
+    with collecting() as failures:
+        prints = multinode_checks(rank, world)
+    return {"prints": prints, "describe": backend_of().describe(),
+            "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
+
+
+def three_node_body(rank, world):
+    """Between 3 nodes the pieces cross as all-to-alls (between 2, as all-gathers) and each node
+    keeps its own part: the all-to-all of equal parts and the reduce-scatter, in one piece and in
+    several, on the engine."""
+    with collecting() as failures:
+        routes = Routes()
+        for n in (3, 300_001):
+            parts = [make(rank, (n,), torch.bfloat16, f"3n-a2a-{q}") for q in range(world)]
+            out = torch.empty(world * n, dtype=torch.bfloat16)
+            dist.all_to_all_single(out, torch.cat(parts))
+            expect_equal(out, torch.cat([make(q, (n,), torch.bfloat16, f"3n-a2a-{rank}")
+                                         for q in range(world)]), f"all_to_all_single of {n}")
+            # +-{1/2, 1, 2}: every float32 sum of 6 is exact, so is any order of adding them.
+            full = [make(r, (world * n,), torch.float32, "3n-rs", kind="pow2")
+                    for r in range(world)]
+            mine = torch.empty(n)
+            dist.reduce_scatter_tensor(mine, full[rank])
+            expect_equal(mine, torch.stack(full).sum(0)[rank * n:(rank + 1) * n],
+                         f"reduce_scatter_tensor of {n}")
+        served = routes.served()
+        check(served == {"all_to_all_single": (2, 0), "reduce_scatter_tensor": (2, 0)},
+              f"routes {served}")
+    return {"describe": backend_of().describe(), "failures": failures}
+
+
+def nodes_job(body: str) -> str:
+    """A job for run_nodes: the world on ddpx's backend, then ``body``(rank, world) of this file,
+    whose result each rank writes."""
+    return textwrap.dedent(f'''
+    import gc, json, os, sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import torch.distributed as dist
+    import ddpx  # registers the backend
+
+    dist.init_process_group("ddpx")
+    from test_multinode import {body}
+
+    out = {body}(dist.get_rank(), dist.get_world_size())
+    with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
+        json.dump(out, f)
+    gc.collect()
+    dist.destroy_process_group()
+''')
+
+
+def assert_no_failed_checks(results: list[dict]) -> None:
+    failures = [f"rank {rank}: {m}" for rank, r in enumerate(results) for m in r["failures"]]
+    assert not failures, f"{len(failures)} failed checks:\n" + "\n".join(failures[:60])
+
+
+def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
+    segments = shm_segments()
+    results = run_nodes(nodes_job("multinode_body"), tmp_path)
+    assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
+    assert_no_failed_checks(results)
+    for rank, result in enumerate(results):
+        assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
+        assert "point-to-point go to gloo" in result["describe"], result["describe"]
+        assert result["prints"] == results[0]["prints"], f"rank {rank} holds other bits"
+    assert shm_segments() <= segments
+
+
+@pytest.mark.slow
+def test_three_nodes_trade_all_to_all_and_reduce_scatter_on_the_engine(tmp_path):
+    segments = shm_segments()
+    results = run_nodes(nodes_job("three_node_body"), tmp_path, nodes=3)
+    assert_no_failed_checks(results)
+    assert all("hierarchical across 3 nodes" in r["describe"] for r in results), results[0]
+    assert shm_segments() <= segments
