@@ -81,7 +81,6 @@ def _exchange(rank, world, on_ddpx):
             dist.recv(got, 0)
             results["strided"] = got.contiguous()
         results["routes"] = backend_of().routes()
-        results["describe"] = backend_of().describe()
     return results
 
 
@@ -111,7 +110,6 @@ def test_point_to_point_moves_what_gloo_moves(world, rank_pool):
         routes = mine["routes"]
         assert routes["send"]["gloo"] == 0 and routes["recv"]["gloo"] == 0, routes
         assert routes["send"]["engine"] > 0 and routes["recv"]["engine"] > 0, routes
-        assert "point-to-point through shared memory" in mine["describe"]
 
 
 def _send_during_a_collective(rank, world):

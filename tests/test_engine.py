@@ -346,7 +346,7 @@ def test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree(world):
     assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described["timed"]
     assert "shared over 16 KiB (any rank sums any block for all, in their tensors; now)" in (
         described["shared"])
-    assert "shared at" not in described["narrow"]
+    assert "shared over" not in described["narrow"]
     for other in runs[1:]:
         assert other == runs[0]
 

@@ -339,7 +339,7 @@ SMALL_SHM = """
         model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
         if hook:
             state = ddpx.register_fused_hook(model)
-            report.write(f"DESCRIBE {state.describe()}\\n")
+            report.write(f"ENGINE {type(state.engine).__name__}\\n")
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         data = torch.Generator().manual_seed(10 + rank)
         for _ in range(5):
@@ -404,8 +404,8 @@ def test_a_dev_shm_too_small_falls_back_or_fails_strictly(small, strict, tmp_pat
     assert all(fix in out for fix in fixes), out
     for rank in (0, 1):
         report = (tmp_path / f"report.{rank}").read_text().splitlines()
-        described = [line for line in report if line.startswith("DESCRIBE")]
-        assert len(described) == 1 and "process-group" in described[0], report
+        engines = [line for line in report if line.startswith("ENGINE")]
+        assert engines == ["ENGINE Engine"], report  # the process-group path's, not ShmEngine
         assert report[-1] == "SAME PARAMETERS", report
     assert_no_job_left(tmp_path)
 

@@ -313,8 +313,7 @@ def multinode_checks(rank, world):
 def multinode_body(rank, world):
     with collecting() as failures:
         prints = multinode_checks(rank, world)
-    return {"prints": prints, "describe": backend_of().describe(),
-            "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
+    return {"prints": prints, "group_rank": os.environ.get("GROUP_RANK"), "failures": failures}
 
 
 def three_node_body(rank, world):
@@ -373,8 +372,6 @@ def test_two_nodes_run_the_collectives_on_the_engine_hierarchically(tmp_path):
     assert [r["group_rank"] for r in results] == ["0", "0", "1", "1"]
     assert_no_failed_checks(results)
     for rank, result in enumerate(results):
-        assert result["describe"].startswith("ddpx shared-memory engine"), result["describe"]
-        assert "point-to-point go to gloo" in result["describe"], result["describe"]
         assert result["prints"] == results[0]["prints"], f"rank {rank} holds other bits"
     assert shm_segments() <= segments
 
