@@ -78,7 +78,7 @@ def get_extensions():
 
 
 setup(
-    packages=["ddpx", "ddpx.bench", "ddpx.csrc", "ddpx.csrc.cuda"],
+    packages=["ddpx", "ddpx_bench", "ddpx.csrc", "ddpx.csrc.cuda"],
     package_dir={"ddpx.csrc": "csrc"},
     package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
     ext_modules=get_extensions(),

@@ -60,7 +60,7 @@ def _serve(rank, world_size, store_path, tasks, results, env, backend, group_tim
                 results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():  # a body may have destroyed it
-            gc.collect()  # see ddpx/bench/launch.py's _run_rank: the group must end before exit
+            gc.collect()  # see ddpx_bench/launch.py's _run_rank: the group must end before exit
             dist.destroy_process_group()
 
 
@@ -191,7 +191,7 @@ def run_on_two_hosts(commands: list[str], tmp_path: Path) -> list[str]:
     returns their outputs once both succeeded."""
     # Imported here: ddpx reads its settings when first imported, and the ranks this module
     # spawns set theirs (a test's env) before they import it.
-    from ddpx.bench import testbed
+    from ddpx_bench import testbed
 
     folder = folder_with_scripts(tmp_path)
     with testbed.Testbed(2, rate=None, subnet="10.0.0") as bed:

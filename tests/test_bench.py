@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark, ddpx-bench (ddpx.bench): every mode end to end on 2 spawned ranks
+"""Smoke test of the benchmark, ddpx-bench (ddpx_bench): every mode end to end on 2 spawned ranks
 (accuracy: 2 and 3), tiny sizes; the peers (mpi, deepspeed) where installed; the --load processes,
 which end with it; its console entry.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = [sys.executable, "-m", "ddpx.bench"]
+BENCH = [sys.executable, "-m", "ddpx_bench"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "rows", "left_out"}
 MACHINE_KEYS = {"cpu", "cores", "threads_per_rank", "torch", "ddpx"}
@@ -243,8 +243,8 @@ def test_allreduce_quick_takes_the_options_given_beside_it(tmp_path):
 
 
 def test_quick_is_its_options_and_an_option_given_beside_it_wins(capsys):
-    from ddpx.bench import cli
-    from ddpx.bench.mode import MODES
+    from ddpx_bench import cli
+    from ddpx_bench.mode import MODES
 
     quick = MODES["allreduce"].quick_options.split()
 
@@ -446,7 +446,7 @@ def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path
 
 
 def testbed_unavailable() -> str | None:
-    from ddpx.bench import testbed
+    from ddpx_bench import testbed
 
     return testbed.unavailable()
 
@@ -485,7 +485,7 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
 
 
 def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
-    from ddpx.bench.collectives import bytes_across
+    from ddpx_bench.collectives import bytes_across
 
     size = 1 << 20
 
@@ -513,7 +513,7 @@ def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
 @pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
                     reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
 def test_collectives_on_a_shaped_link_run_on_the_engine_and_report_their_bound(tmp_path):
-    from ddpx.bench.collectives import bytes_across
+    from ddpx_bench.collectives import bytes_across
 
     collectives = ["all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier"]
     options = "--sizes 256K --iters 2 --min_time 0.05 --warmup 1 --link 100mbit".split()
@@ -562,13 +562,13 @@ def test_help_lists_the_five_modes():
 def test_modes_lists_every_mode_file_and_each_has_a_short_help(capsys):
     """A mode is its file's MODE and its name in MODES: a file with a MODE that MODES lacks would
     never run."""
-    from ddpx.bench import cli
-    from ddpx.bench.mode import MODES, Mode
+    from ddpx_bench import cli
+    from ddpx_bench.mode import MODES, Mode
 
-    files = sorted(path.stem for path in (ROOT / "ddpx" / "bench").glob("*.py")
+    files = sorted(path.stem for path in (ROOT / "ddpx_bench").glob("*.py")
                    if "\nMODE = " in path.read_text())
     assert sorted(type(mode).__module__ for mode in MODES.values()) == [
-        f"ddpx.bench.{file}" for file in files]
+        f"ddpx_bench.{file}" for file in files]
     for name, mode in MODES.items():
         assert isinstance(mode, Mode) and mode.name == name
         with pytest.raises(SystemExit) as info:
@@ -584,8 +584,8 @@ def test_help_is_short_and_the_cli_leaves_the_testbed_unloaded():
     done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) < 40
-    probe = ("import sys, ddpx.bench.cli, ddpx.bench.launch; "
-             "print('ddpx.bench.testbed' in sys.modules)")
+    probe = ("import sys, ddpx_bench.cli, ddpx_bench.launch; "
+             "print('ddpx_bench.testbed' in sys.modules)")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=120, check=True)
     assert loaded.stdout.strip() == "False"
@@ -593,9 +593,9 @@ def test_help_is_short_and_the_cli_leaves_the_testbed_unloaded():
 
 def test_the_console_entry_is_the_clis_main():
     """pyproject.toml's `ddpx-bench` entry, and the installed one where ddpx is installed, run
-    ddpx.bench.cli's main."""
+    ddpx_bench.cli's main."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    from ddpx.bench import cli
+    from ddpx_bench import cli
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, name = scripts["ddpx-bench"].partition(":")
@@ -702,7 +702,7 @@ def test_accuracy(tmp_path):
 
 
 def test_plot_without_matplotlib_fails_before_the_run(monkeypatch, capsys):
-    from ddpx.bench import cli
+    from ddpx_bench import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

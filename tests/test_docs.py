@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpx.bench import cli, testbed
+from ddpx_bench import cli, testbed
 
 from distributed import run_on_two_hosts
 from documents import code_block_commands

@@ -1,4 +1,4 @@
-"""Nodes as network namespaces joined by rate-shaped links (ddpx.bench.testbed), one torchrun
+"""Nodes as network namespaces joined by rate-shaped links (ddpx_bench.testbed), one torchrun
 each, so the hierarchical all-reduce crosses a real link: exact sums on 2 and 3 nodes and DDP
 training equal to DDP's own all-reduce; then faults on the wire (the link cut mid-call, a rank
 stopped on the other node, a rank that raises instead of calling), each of which must end in a
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ddpx.bench import testbed
+from ddpx_bench import testbed
 
 from distributed import job_processes, shm_segments, train_small_ddp
 

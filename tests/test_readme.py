@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpx.bench import testbed
+from ddpx_bench import testbed
 
 from distributed import folder_with_scripts, run_on_two_hosts
 from documents import code_block_commands

@@ -157,7 +157,7 @@ def _soak_and_kill(seconds, tmp_path, busy_machine):
 
 @pytest.fixture
 def busy_machine():
-    from ddpx.bench.launch import cpu_load
+    from ddpx_bench.launch import cpu_load
 
     with cpu_load(1) as pids:
         yield pids

@@ -139,9 +139,9 @@ def train_speeds(device: torch.device, params: int = TRAIN_PARAMS
                  ) -> tuple[list[dict], dict, list[str]]:
     """DDP steps of each TRAIN_HOOKS model on `device` (the tests take the CPU), taking turns
     step by step: rows, hooks left out (with why), failures."""
-    from ddpx.bench.common import slowest_rank_stats
-    from ddpx.bench.train import diffs_from_default, hooked_models, timed_steps
     from ddpx.models import MLP
+    from ddpx_bench.common import slowest_rank_stats
+    from ddpx_bench.train import diffs_from_default, hooked_models, timed_steps
 
     torch.manual_seed(0)
     initial = MLP.with_params(params).to(device)
@@ -184,7 +184,7 @@ def speed() -> dict:
               "kernels": kernel_speeds()}
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as folder:
-        # gloo for the CPU tensors of ddpx.bench's step statistics, NCCL for everything on the GPU.
+        # gloo for the CPU tensors of ddpx_bench's step statistics, NCCL for everything on the GPU.
         dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{folder}/store",
                                 rank=0, world_size=1)
         try:

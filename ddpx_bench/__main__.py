@@ -1,4 +1,4 @@
-from ddpx.bench.cli import main
+from ddpx_bench.cli import main
 
 if __name__ == "__main__":  # not in the ranks that torch.multiprocessing spawns
     main()

@@ -1,19 +1,19 @@
 """Benchmark ddpx against gloo and the other CPU all-reduces on one machine, one mode at a time.
 
-The modes are ddpx.bench.mode.MODES: what each measures and reports is in its file's docstring
-(`python -m pydoc ddpx.bench.allreduce`), its options in `ddpx-bench MODE --help`.
+The modes are ddpx_bench.mode.MODES: what each measures and reports is in its file's docstring
+(`python -m pydoc ddpx_bench.allreduce`), its options in `ddpx-bench MODE --help`.
 
 Run a mode: ddpx-bench spawns the ranks of each of --world_sizes itself, gloo over a FileStore in
 a temporary folder, one thread per rank, and they end with it (on an error, Ctrl-C, or even
-SIGKILL). The table goes to stdout, progress to stderr. `python -m ddpx.bench` is the same
+SIGKILL). The table goes to stdout, progress to stderr. `python -m ddpx_bench` is the same
 command.
 
     ddpx-bench allreduce --json bench_out/allreduce.json --plot bench_out/allreduce.png
 
 Under a launcher, the launcher's processes are the ranks and only its world size runs:
 
-    accelerate launch --config_file scripts/configs/cpu.yaml -m ddpx.bench allreduce
-    torchrun --nproc_per_node 4 -m ddpx.bench allreduce
+    accelerate launch --config_file scripts/configs/cpu.yaml -m ddpx_bench allreduce
+    torchrun --nproc_per_node 4 -m ddpx_bench allreduce
 
 --load N (every mode; default 0, idle) measures on a busy machine: N CPU-bound processes per core
 (the cores this process may run on) run for the whole run, each pinned to its core and
@@ -53,10 +53,10 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from ddpx.bench.common import MPI_WORKDIR
-from ddpx.bench.launch import BINDINGS, launched, mpirun_rank, on_testbed, spawned
-from ddpx.bench.mode import MODES, int_list, non_negative, positive
-from ddpx.bench.report import report
+from ddpx_bench.common import MPI_WORKDIR
+from ddpx_bench.launch import BINDINGS, launched, mpirun_rank, on_testbed, spawned
+from ddpx_bench.mode import MODES, int_list, non_negative, positive
+from ddpx_bench.report import report
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=summary,
         epilog=f"examples:\n{examples}\nddpx-bench MODE --help: the mode's options. The options "
         "every mode takes (--load, --bind, --runs)\nand the launchers: python -m pydoc "
-        "ddpx.bench.cli.\nThe table is printed; nothing is saved without --json (every run) or "
+        "ddpx_bench.cli.\nThe table is printed; nothing is saved without --json (every run) or "
         "--plot.\nResults and how they were measured: docs/benchmarks.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

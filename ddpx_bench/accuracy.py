@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ddpx
-from ddpx.bench.common import WIRE, add_if_it_works, progress, random_input, same_on_all_ranks
-from ddpx.bench.mode import Mode, choice_list, count
-from ddpx.bench.report import format_ratio, pyplot
+from ddpx_bench.common import WIRE, add_if_it_works, progress, random_input, same_on_all_ranks
+from ddpx_bench.mode import Mode, choice_list, count
+from ddpx_bench.report import format_ratio, pyplot
 
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 

@@ -32,7 +32,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
-from ddpx.bench.common import (
+from ddpx.models import MLP
+from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     node_count,
@@ -40,8 +41,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     steps_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, count, node_options
-from ddpx.bench.report import (
+from ddpx_bench.mode import Mode, choice_list, count, node_options
+from ddpx_bench.report import (
     PER_STEP,
     format_ratio,
     format_spread,
@@ -50,7 +51,6 @@ from ddpx.bench.report import (
     step_bars,
     tcp_line,
 )
-from ddpx.models import MLP
 
 COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "none")
 # How many roundings the final parameters of a hook may differ from the default hook's by.

@@ -1,8 +1,8 @@
 """A benchmark mode of `ddpx-bench` as one object: its options, the work of its ranks, its table
 and its plot; and MODES, every mode by name, in the order `ddpx-bench --help` lists them.
 
-A new mode is one file, ddpx/bench/<name>.py: a docstring whose first paragraph says what the
-mode measures (its --help shows it, `python -m pydoc ddpx.bench.<name>` the rest), a subclass of
+A new mode is one file, ddpx_bench/<name>.py: a docstring whose first paragraph says what the
+mode measures (its --help shows it, `python -m pydoc ddpx_bench.<name>` the rest), a subclass of
 Mode, its instance as the file's MODE, and the file's name added to _FILES below. cli.py,
 launch.py and report.py know the modes only through MODES: the options every mode takes, the
 spawning, the load, the JSON document and the header of the table stay theirs. The option types
@@ -85,7 +85,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     modes = {}
     for file in _FILES:
-        mode = importlib.import_module(f"ddpx.bench.{file}").MODE
+        mode = importlib.import_module(f"ddpx_bench.{file}").MODE
         modes[mode.name] = mode
     globals()["MODES"] = modes
     return modes
@@ -176,7 +176,7 @@ def node_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _rate_list(text: str) -> list[str]:
-    from ddpx.bench import testbed  # only where --link is given
+    from ddpx_bench import testbed  # only where --link is given
 
     rates = text.split(",")
     for rate in rates:

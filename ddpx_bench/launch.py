@@ -1,6 +1,6 @@
 """Starting the ranks of each world size: by torch.multiprocessing, or by mpirun when the `mpi`
 engine runs; by one torchrun per node of a testbed (--link); or by a launcher. The ranks that
-mpirun and torchrun start run `python -m ddpx.bench` with the command's arguments; rank 0 hands
+mpirun and torchrun start run `python -m ddpx_bench` with the command's arguments; rank 0 hands
 back the result. And the --load processes."""
 
 import contextlib
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpx.bench.common import MPI_WORKDIR, THREADS_PER_RANK, mpirun_path, say
-from ddpx.bench.mode import MODES
+from ddpx_bench.common import MPI_WORKDIR, THREADS_PER_RANK, mpirun_path, say
+from ddpx_bench.mode import MODES
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
 # How the ranks are placed on the cores: mpirun's --bind-to for the ranks it starts.
@@ -83,10 +83,10 @@ def _over_runs(runs: list[dict], mode) -> dict:
 
 def on_testbed(args, argv: list[str]) -> dict:
     """Run each world size under each --link rate on --nodes network namespaces
-    (ddpx.bench.testbed), one torchrun per node running this same command; merge what their rank 0
+    (ddpx_bench.testbed), one torchrun per node running this same command; merge what their rank 0
     wrote, each row with its link: the rate and the TCP payload rate measured on it, and what the
     mode adds (Mode.add_link_figures)."""
-    from ddpx.bench import testbed  # root only: not loaded by the runs on this machine
+    from ddpx_bench import testbed  # root only: not loaded by the runs on this machine
 
     why_not = testbed.unavailable()
     if why_not:
@@ -99,7 +99,7 @@ def on_testbed(args, argv: list[str]) -> dict:
                 tcp = bed.measure_tcp()
                 say(f"{args.nodes} nodes, link {rate}: TCP carries {tcp / 1e9:.3f} Gbit/s")
                 result_path = Path(workdir, "result.json")
-                jobs = bed.torchrun(["-m", "ddpx.bench", *argv],
+                jobs = bed.torchrun(["-m", "ddpx_bench", *argv],
                                     world_size // args.nodes,
                                     env={TESTBED_RESULT: str(result_path)})
                 outputs = bed.communicate(jobs, timeout=PG_TIMEOUT.total_seconds() * 4)
@@ -156,7 +156,7 @@ def _mpirun(argv: list[str], world_size: int, args, workdir: str) -> None:
     command = [mpirun_path(), "--allow-run-as-root", "--oversubscribe"]
     # mpirun binds the ranks itself, by core in rank order, as it does by default for 2 ranks.
     command += ["--bind-to", args.bind, "--map-by", "core", "-np", str(world_size)]
-    command += [sys.executable, "-m", "ddpx.bench", *argv]
+    command += [sys.executable, "-m", "ddpx_bench", *argv]
     # In ddpx-bench's session, as the --load processes are (see cpu_load); it dies with
     # ddpx-bench (its ranks die with it); what the ranks print is progress, so it goes to stderr:
     # stdout is for the table.

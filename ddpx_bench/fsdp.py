@@ -54,7 +54,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ddpx.bench.common import (
+from ddpx_bench.common import (
     ddpx_group,
     node_count,
     progress,
@@ -63,8 +63,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     steps_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, count, node_options, positive
-from ddpx.bench.report import PER_STEP, format_ms, format_ratio, format_served, pyplot, step_bars
+from ddpx_bench.mode import Mode, choice_list, count, node_options, positive
+from ddpx_bench.report import PER_STEP, format_ms, format_ratio, format_served, pyplot, step_bars
 
 PRECISIONS = ("fp32", "bf16")
 POLICIES = {

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import ddpx
-from ddpx.bench.common import THREADS_PER_RANK
+from ddpx_bench.common import THREADS_PER_RANK
 
 # What a sample is, for the modes that time calls or steps (Mode.measured's "timing").
 PER_CALL = "a sample: the slowest rank's mean time per call in a batch begun after a barrier"
@@ -22,12 +22,12 @@ PER_STEP = "a sample: the slowest rank's time for one step begun after a barrier
 
 
 def report(mode, args, argv: list[str], result: dict) -> None:
-    """Print the table of `result`, the rank 0's result of ddpx.bench.mode.Mode `mode`, and write
+    """Print the table of `result`, the rank 0's result of ddpx_bench.mode.Mode `mode`, and write
     its JSON document and plot where `args` asks."""
     document = {
         "mode": args.mode,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable, "-m", "ddpx.bench", *argv]),
+        "command": " ".join([sys.executable, "-m", "ddpx_bench", *argv]),
         "machine": machine(),
         "settings": {
             key: str(value) if isinstance(value, Path) else value

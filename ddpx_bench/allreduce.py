@@ -35,7 +35,7 @@ that do not work here are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
 simulated nodes as one machine; the fixed schedules with --nodes, which always split).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
-`mpirun --oversubscribe --bind-to none -np W python -m ddpx.bench <the same arguments>` instead of
+`mpirun --oversubscribe --bind-to none -np W python -m ddpx_bench <the same arguments>` instead of
 torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
 out). In each cell (world size, size):
   - each engine reduces random inputs once and is compared with a float64 sum; a wrong sum stops
@@ -66,9 +66,10 @@ import torch
 import torch.distributed as dist
 
 import ddpx
-from ddpx import costmodel
 from ddpx._ext import extension
-from ddpx.bench.common import (
+from ddpx.engine import cross_chunk_bytes, engine_for
+from ddpx_bench import costmodel
+from ddpx_bench.common import (
     MPI_WORKDIR,
     PEERS,
     UNIT_ROUNDOFF,
@@ -83,8 +84,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     timed_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, node_options, size_list, timing_options
-from ddpx.bench.report import (
+from ddpx_bench.mode import Mode, choice_list, node_options, size_list, timing_options
+from ddpx_bench.report import (
     PER_CALL,
     format_ms,
     format_ratio,
@@ -93,7 +94,6 @@ from ddpx.bench.report import (
     runs_line,
     tcp_line,
 )
-from ddpx.engine import cross_chunk_bytes, engine_for
 
 # ddpx with another schedule than its default (one-shot up to 32 KiB; above it shared blocks on
 # a busy machine, narrow steps on an idle one): (the engine's settings, why a run across nodes
@@ -374,8 +374,8 @@ def link_bound_ms(row: dict, bits_per_s: float) -> float:
 
 
 def add_model(rows: list[dict]) -> None:
-    """ddpx.costmodel's time for each ddpx row on a shaped link, from the same engine's time on
-    the unshaped one (--link none) and the link's measured TCP rate."""
+    """ddpx_bench.costmodel's time for each ddpx row on a shaped link, from the same engine's time
+    on the unshaped one (--link none) and the link's measured TCP rate."""
     unshaped = {(row["world_size"], row["engine"], row["size_bytes"]): row["median_ms"]
                 for row in rows if row["link"] == "none"}
     for row in rows:
@@ -426,7 +426,8 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
         lines.append(
             "bound: each node sends 2(N-1)/N of the message in the engine's wire dtype at the "
             "link's rate; x bound = median / bound (1.00 is the link's limit); model: "
-            "ddpx.costmodel from the unshaped (none) row and the TCP rate, x model = median / model"
+            "ddpx_bench.costmodel from the unshaped (none) row and the TCP rate, "
+            "x model = median / model"
         )
         lines.append(tcp_line(rows))
     lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
@@ -525,9 +526,9 @@ class Allreduce(Mode):
         return bench_allreduce(args)
 
     def add_link_figures(self, rows):
-        """Each row's bound on its shaped link (link_bound_ms), and ddpx.costmodel's time
+        """Each row's bound on its shaped link (link_bound_ms), and ddpx_bench.costmodel's time
         (add_model)."""
-        from ddpx.bench.testbed import bits_per_second  # only where --link ran
+        from ddpx_bench.testbed import bits_per_second  # only where --link ran
 
         for row in rows:
             if row["link"] != "none":

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 import ddpx
-from ddpx.bench.common import (
+from ddpx.engine import engine_for
+from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     add_if_it_works,
     ddpx_group,
@@ -61,8 +62,8 @@ from ddpx.bench.common import (
     slowest_rank_stats,
     timed_in_turns,
 )
-from ddpx.bench.mode import Mode, choice_list, node_options, size_list, timing_options
-from ddpx.bench.report import (
+from ddpx_bench.mode import Mode, choice_list, node_options, size_list, timing_options
+from ddpx_bench.report import (
     PER_CALL,
     format_ms,
     format_ratio,
@@ -70,7 +71,6 @@ from ddpx.bench.report import (
     pyplot,
     runs_line,
 )
-from ddpx.engine import engine_for
 
 COLLECTIVES = (
     "all_reduce",
@@ -544,7 +544,7 @@ class Collectives(Mode):
     def add_link_figures(self, rows):
         """Each row's bound on its shaped link (bound_ms; none for the barrier and send_recv),
         and its time against it."""
-        from ddpx.bench.testbed import bits_per_second  # only where --link ran
+        from ddpx_bench.testbed import bits_per_second  # only where --link ran
 
         for row in rows:
             sent = bytes_across(row) if row["link"] != "none" else None
