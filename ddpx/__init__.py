@@ -1,6 +1,7 @@
 """ddpx: a fast, exact DDP communication path (shared-memory all-reduce between the ranks of a
 node, fused scaling and compression, float32 accumulation) and the DDP examples that use it."""
 
+import contextlib
 import importlib
 
 from ddpx import backend as _backend
@@ -22,19 +23,32 @@ __all__ = [
 
 _backend.register()
 
-# Submodules that need a library ddpx does not depend on, imported when first named
-# (`ddpx.lightning.FusedHook` after `import ddpx`): the name of what to install.
-_NEEDS = {"lightning": "lightning", "transformers": "transformers", "training": "accelerate"}
+# Submodules that need libraries ddpx does not depend on, imported when first named
+# (`ddpx.lightning.FusedHook` after `import ddpx`): how to install what each needs, and those
+# libraries, which each imports inside `_needs` so that `from ddpx.training import ...` says it too.
+_OPTIONAL = {
+    "lightning": ("pip install lightning", "lightning"),
+    "training": ('pip install "ddpx[examples]"', "accelerate", "numpy"),
+    "transformers": ("pip install transformers", "transformers"),
+}
 
 
 def __getattr__(name: str):
-    if name not in _NEEDS:
+    if name not in _OPTIONAL:
         raise AttributeError(f"module 'ddpx' has no attribute {name!r}")
+    return importlib.import_module(f"ddpx.{name}")
+
+
+@contextlib.contextmanager
+def _needs(module: str):
+    """Around the imports of ddpx.`module` from the libraries _OPTIONAL names for it: one that is
+    missing raises an error that names it and how to install it."""
+    install, *libraries = _OPTIONAL[module]
     try:
-        return importlib.import_module(f"ddpx.{name}")
+        yield
     except ModuleNotFoundError as missing:
-        if missing.name is None or missing.name.split(".")[0] != _NEEDS[name]:
+        library = (missing.name or "").partition(".")[0]
+        if library not in libraries:
             raise
-        raise ModuleNotFoundError(
-            f"ddpx.{name} needs {_NEEDS[name]}, which is not installed: pip install "
-            f"{_NEEDS[name]}", name=missing.name) from None
+        raise ModuleNotFoundError(f"ddpx.{module} needs {library}, which is not installed: "
+                                  f"{install}", name=missing.name) from None

@@ -17,10 +17,13 @@ And every collective of the job on ddpx's backend: ``DDPStrategy(process_group_b
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpx import _needs
 from ddpx.hooks import register_fused_hook
+
+with _needs("lightning"):
+    from lightning.pytorch.callbacks import Callback
 
 __all__ = ["FusedHook"]
 

@@ -8,14 +8,17 @@ import sys
 import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator, InitProcessGroupKwargs
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpx
+from ddpx import _needs
+
+with _needs("training"):
+    import numpy as np
+    from accelerate import Accelerator, InitProcessGroupKwargs
 
 __all__ = [
     "attach_comm_hook",

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from transformers import TrainerCallback
 
+from ddpx import _needs
 from ddpx.hooks import register_fused_hook
+
+with _needs("transformers"):
+    from transformers import TrainerCallback
 
 __all__ = ["FusedHook"]
 

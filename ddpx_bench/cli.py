@@ -106,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args = parser.parse_args(argv)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib (or leave out --plot)")
+    if importlib.util.find_spec("numpy") is None:
+        parser.error("numpy is not installed, which the ranks need to agree (torch.distributed's "
+                     'object collectives use it): pip install "ddpx[bench]"')
     if args.nodes is None:
         args.nodes = 2 if args.link else 1
     uneven = [size for size in args.world_sizes if args.nodes < 1 or size % args.nodes]

@@ -550,6 +550,15 @@ def test_options_that_cannot_run_together_are_refused(options, message):
     assert message in done.stderr
 
 
+def test_a_missing_numpy_is_refused_with_the_extra_that_installs_it():
+    """ddpx needs no numpy, the benchmark does: torch.distributed's object collectives use it."""
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['numpy'] = None; "
+                           "from ddpx_bench import cli; cli.main(['allreduce'])"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.endswith('pip install "ddpx[bench]"\n'), done.stderr
+
+
 def test_help_lists_the_five_modes():
     done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

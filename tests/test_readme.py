@@ -74,6 +74,7 @@ IN_JOBS = {
 IN_CI = {
     "pip install torch==2.13.0 ninja",
     "pip install -e .",
+    'pip install -e ".[examples,bench]"',
     "pip install -v -e .",
     "pip install .",
     "pip wheel .",

@@ -90,10 +90,12 @@ def assert_same_weights(result: dict, reference: dict) -> None:
         assert torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("module, package", [("lightning", "lightning"),
-                                             ("transformers", "transformers"),
-                                             ("training", "accelerate")])
-def test_import_ddpx_is_enough_for_its_trainer_modules(module, package):
+@pytest.mark.parametrize("module, package, install", [
+    ("lightning", "lightning", "pip install lightning"),
+    ("transformers", "transformers", "pip install transformers"),
+    ("training", "accelerate", 'pip install "ddpx[examples]"'),
+], ids=["lightning", "transformers", "training"])
+def test_import_ddpx_is_enough_for_its_trainer_modules(module, package, install):
     """``ddpx.lightning`` and the others after ``import ddpx`` alone, as the README writes them;
     without the library they need, an error that says what to install."""
     def run(source: str) -> subprocess.CompletedProcess:
@@ -104,7 +106,7 @@ def test_import_ddpx_is_enough_for_its_trainer_modules(module, package):
     assert found.stdout == f"ddpx.{module}\n", found.stdout + found.stderr
     missing = run(f"import sys; sys.modules['{package}'] = None; import ddpx; ddpx.{module}")
     assert (f"ModuleNotFoundError: ddpx.{module} needs {package}, which is not installed: "
-            f"pip install {package}") in missing.stderr, missing.stderr
+            f"{install}") in missing.stderr, missing.stderr
 
 
 def test_lightning_on_the_ddpx_backend(default, tmp_path):
