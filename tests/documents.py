@@ -1,5 +1,5 @@
-"""The command lines a user can copy from a Markdown page's code blocks, as tests/test_readme.py
-and tests/test_docs.py check them."""
+"""The command lines a user can copy from a Markdown page's code blocks, as
+tests/tooling/test_readme.py and tests/tooling/test_docs.py check them."""
 
 import re
 

@@ -14,7 +14,7 @@ import pytest
 
 import ddpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What ninja prints once a compile is done (piped, it prints "[done/total] command" per step).
 NINJA_STEP = re.compile(r"^\s*\[\d+/\d+\] ")
 

@@ -16,7 +16,7 @@ from ddpx_bench import cli, testbed
 from distributed import run_on_two_hosts
 from documents import code_block_commands
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMANDS = sorted({command for page in (REPO / "docs").glob("*.md")
                    for command in code_block_commands(page.read_text())})
 BENCH = sorted(command for command in COMMANDS if command.startswith("ddpx-bench "))

@@ -18,7 +18,7 @@ from ddpx_bench import testbed
 from distributed import folder_with_scripts, run_on_two_hosts
 from documents import code_block_commands
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 # A python block whose first line is "# NAME.py: torchrun --nproc_per_node 2 NAME.py".
 RUNNABLE = {found.group(1): found.group(0)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "ddpx_bench"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 DOCUMENT_KEYS = {"mode", "date", "command", "machine", "settings", "rows", "left_out"}
@@ -455,7 +455,7 @@ def testbed_unavailable() -> str | None:
 @pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
                     reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
 def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_path):
-    from ddpx import costmodel
+    from ddpx_bench import costmodel
 
     options = "--sizes 1M --iters 2 --min_time 0.05 --warmup 1 --link none,100mbit".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines",

@@ -20,7 +20,7 @@ import torch
 
 from distributed import run_ranks, shm_segments
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_check.sh"
 STEPS_WITHOUT_GPU = ["preflight", "build", "build_info", "speed", "model_parallel-ddp", "tests"]
 # For the tests step: an outcome of each kind, then a test that outlives the budget.
