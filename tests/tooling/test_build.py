@@ -44,8 +44,9 @@ def build_wheel(out_dir: Path) -> tuple[str, str | None]:
 def test_a_second_build_compiles_nothing_and_leaves_the_loaded_extension(tmp_path):
     """`pip install -e ".[test]"` after `pip install -e .` compiled ddpx._C again from nothing:
     setuptools gave each editable build a new temporary folder for the objects. Built again after
-    the install, as `pip wheel .`, the checkout compiles nothing, the wheel holds the extension,
-    and the library this process loaded from the checkout is left as it was."""
+    the install, as `pip wheel .`, the checkout compiles nothing, the wheel holds the extension
+    and the benchmark beside ddpx, and the library this process loaded from the checkout is left
+    as it was."""
     loaded = Path(ddpx._ext.extension().__file__)
     if not loaded.is_relative_to(ROOT / "ddpx"):
         pytest.skip(f"ddpx._C was not built in this checkout (it was loaded from {loaded}), so "
@@ -65,6 +66,10 @@ def test_a_second_build_compiles_nothing_and_leaves_the_loaded_extension(tmp_pat
     extension = f"ddpx/_C{sysconfig.get_config_var('EXT_SUFFIX')}"
     with zipfile.ZipFile(wheels[0]) as wheel:
         assert wheel.getinfo(extension).file_size > 0
+        names = wheel.namelist()
+    # The runtime and the tools: the benchmark and its testbed are ddpx_bench's, not ddpx's.
+    assert {"ddpx_bench/cli.py", "ddpx_bench/testbed.py"} <= set(names)
+    assert [name for name in names if name.startswith("ddpx/bench/")] == []
 
     after = loaded.stat()
     assert (after.st_ino, after.st_mtime_ns, after.st_size) == (

@@ -1,0 +1,77 @@
+"""The installed package ddpx is the runtime: the benchmark and its network testbed are the package
+ddpx_bench beside it (the `ddpx-bench` command; tests/tooling/test_build.py checks the wheel), and
+a DDP job with ddpx's hook, ddpx.all_reduce and the ddpx backend runs where accelerate and numpy
+cannot be imported: only the examples' helpers, ddpx.training, need them, and say how to install
+them."""
+
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import ddpx
+import ddpx_bench
+
+
+def not_installed(*libraries: str) -> str:
+    """Source that makes `libraries` unimportable in the interpreter that runs it first, as where
+    they are not installed (torch runs without numpy, and its find_spec checks say None)."""
+    return "import sys\n" + "".join(f"sys.modules[{name!r}] = None\n" for name in libraries)
+
+
+HOOK_JOB = not_installed("accelerate", "numpy") + '''
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpx
+
+dist.init_process_group("ddpx")
+model = DistributedDataParallel(torch.nn.Linear(8, 4))
+state = ddpx.register_fused_hook(model, compression="bf16")
+model(torch.full((2, 8), float(dist.get_rank()))).sum().backward()
+tensor = torch.full((4,), float(dist.get_rank() + 1))
+ddpx.all_reduce(tensor)
+assert tensor.tolist() == [3.0] * 4
+print(f"HOOK {state.describe()}")
+loaded = [name for name, module in sys.modules.items()
+          if module is not None and name.partition(".")[0] in ("accelerate", "numpy", "ddpx_bench")]
+print(f"MODULES {loaded}")
+del model, state
+dist.destroy_process_group()
+'''
+
+
+def test_the_benchmark_and_its_testbed_are_not_in_ddpx():
+    runtime = {module.name for module in pkgutil.iter_modules(ddpx.__path__)}
+    tools = {module.name for module in pkgutil.iter_modules(ddpx_bench.__path__)}
+    assert {"cli", "testbed", "costmodel"} <= tools
+    assert runtime & {"bench", *tools} == set()
+    sources = [path for folder in ddpx.__path__ for path in Path(folder).glob("*.py")]
+    assert [path.name for path in sources
+            if re.search(r"^\s*(from|import) ddpx_bench", path.read_text(), re.M)] == []
+
+
+def test_the_hook_and_the_backend_need_neither_accelerate_nor_numpy(tmp_path):
+    (tmp_path / "job.py").write_text(HOOK_JOB)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "job.py"], capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("HOOK ddpx shared-memory engine") == 2, done.stdout
+    assert done.stdout.count("MODULES []") == 2, done.stdout
+
+
+def test_the_examples_helpers_name_their_extra_when_a_library_is_missing():
+    """Both ways in: `from ddpx.training import ...`, as the scripts write it, and the attribute
+    after `import ddpx` (tests/test_trainers.py checks the trainers' modules the same way)."""
+    for library in ("accelerate", "numpy"):
+        for use in ("from ddpx.training import make_parser", "import ddpx; ddpx.training"):
+            done = subprocess.run([sys.executable, "-c", not_installed(library) + use],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 1
+            assert done.stderr.splitlines()[-1] == (
+                f"ModuleNotFoundError: ddpx.training needs {library}, which is not installed: "
+                'pip install "ddpx[examples]"'), done.stderr
