@@ -10,6 +10,7 @@
 #include <sstream>
 #include <utility>
 
+#include "caller_profiler.h"
 #include "collectives.h"
 #include "errors.h"
 #include "torch_compat.h"
@@ -89,7 +90,10 @@ void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request)
 
 c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::run_async(at::Tensor tensor, Request request) {
   return submit(
-      [tensor = std::move(tensor), request = std::move(request)](NodeComm& comm) {
+      [tensor = std::move(tensor), request = std::move(request),
+       profiler = CallerProfiler()](NodeComm& comm) {
+        const ProfilerGuard traced(profiler);
+        RECORD_FUNCTION("ddpx::all_reduce (engine)", std::vector<c10::IValue>());
         all_reduce(comm, tensor, request);
         return c10::IValue(tensor);
       },
@@ -109,6 +113,7 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr ty
 }
 
 void ShmEngine::run(at::Tensor tensor, const Request& request) {
+  RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
   run([&](NodeComm& comm) { all_reduce(comm, tensor, request); });
 }
 

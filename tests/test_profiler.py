@@ -1,7 +1,8 @@
 """ddpx in a torch.profiler trace, as a user reads it: every call of the ddpx backend opens a range
 named after the torch.distributed call ("ddpx::all_reduce"), its steps show as
 "ddpx::all_reduce (engine)" where the engine runs them (on the engine's thread for async_op=True,
-on the caller's for a call that waits), and the fused hook opens "ddpx::fused_hook" per bucket."""
+on the caller's for a call that waits), the fused hook opens "ddpx::fused_hook" per bucket, and
+each bucket's all-reduce shows where the engine's thread runs it, as does ddpx.all_reduce's."""
 
 import pytest
 
@@ -55,16 +56,21 @@ def test_backend_calls_show_in_trace(rank_pool, tmp_path, async_op):
 
 
 def _traced_hook(rank, world, tmp_name):
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     import ddpx
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_small_ddp(rank, ddpx.register_fused_hook)
+        ddpx.all_reduce(torch.ones(4))
     return _ranges(prof, f"{tmp_name}.{rank}.json")
 
 
 def test_fused_hook_shows_in_trace(rank_pool, tmp_path):
-    """The C++ hook's range, on a gloo group."""
+    """The C++ hook's range on the autograd thread, on a gloo group, and the buckets' all-reduce on
+    the engine's thread; ddpx.all_reduce's on the caller's."""
     for ranges in rank_pool(2).run(_traced_hook, str(tmp_path / "trace")):
-        assert "ddpx::fused_hook" in ranges, sorted(ranges)
+        hook, engine = ranges.get("ddpx::fused_hook"), ranges.get("ddpx::all_reduce (engine)")
+        assert hook and engine and hook.isdisjoint(engine), sorted(ranges)
+        assert "ddpx::all_reduce" in ranges, sorted(ranges)
