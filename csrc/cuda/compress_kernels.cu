@@ -106,23 +106,25 @@ unsigned blocks_for(int64_t n, bool vectorized) {
   return unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
 
-// Calls launch(T{}) with the element type T of a WireType.
+// Calls launch(T{}) with the element type T of a DType.
 template <typename Launch>
-cudaError_t with_type(WireType type, Launch launch) {
+cudaError_t with_type(DType type, Launch launch) {
   switch (type) {
-    case WireType::Float32:
+    case DType::Float32:
       return launch(float{});
-    case WireType::BFloat16:
+    case DType::BFloat16:
       return launch(__nv_bfloat16{});
-    case WireType::Float16:
+    case DType::Float16:
       return launch(__half{});
+    case DType::Float64:
+      break;
   }
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-cudaError_t scale_cast(void* dst, WireType dst_type, const void* src, WireType src_type, int64_t n,
+cudaError_t scale_cast(void* dst, DType dst_type, const void* src, DType src_type, int64_t n,
                        float scale, cudaStream_t stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
@@ -138,7 +140,7 @@ cudaError_t scale_cast(void* dst, WireType dst_type, const void* src, WireType s
   });
 }
 
-cudaError_t sum_slices(void* dst, const void* src, WireType type, int64_t nslices, int64_t stride,
+cudaError_t sum_slices(void* dst, const void* src, DType type, int64_t nslices, int64_t stride,
                        int64_t n, cudaStream_t stream) {
   if (n < 0 || nslices < 1 || stride < n) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;

@@ -37,23 +37,11 @@ using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 // kernels take their vector path.
 constexpr int64_t kSliceAlign = 8;
 
-std::optional<cuda::WireType> wire_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat:
-      return cuda::WireType::Float32;
-    case at::kBFloat16:
-      return cuda::WireType::BFloat16;
-    case at::kHalf:
-      return cuda::WireType::Float16;
-    default:
-      return std::nullopt;
-  }
-}
-
-cuda::WireType kernel_type(const at::Tensor& t, const char* name) {
+DType kernel_type(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "ddpx: ", name, " must be a CUDA tensor, got one on ", t.device());
-  const auto type = wire_type(t.scalar_type());
-  TORCH_CHECK(type, "ddpx: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  const auto type = to_dtype(t.scalar_type());
+  TORCH_CHECK(type && *type != DType::Float64, "ddpx: ", name,
+              " must be float32, bfloat16 or float16, got ", t.scalar_type());
   return *type;
 }
 
@@ -111,8 +99,8 @@ class CudaEngine final : public Engine {
     const int64_t me = group_->getRank();
     const int64_t n = values.numel();
     const int64_t slice = (n + world * kSliceAlign - 1) / (world * kSliceAlign) * kSliceAlign;
-    const cuda::WireType bucket_type = *wire_type(values.scalar_type());
-    const cuda::WireType wire_t = *wire_type(wire);
+    const DType bucket_type = *to_dtype(values.scalar_type());
+    const DType wire_t = *to_dtype(wire);
 
     const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(values.get_device());
     const c10::cuda::CUDAStream side = side_stream(values.get_device());
@@ -169,8 +157,8 @@ void bind_cuda(py::module& m) {
   m.def(
       "cuda_scale_cast",
       [](at::Tensor dst, const at::Tensor& src, double scale) {
-        const cuda::WireType dst_type = kernel_type(dst, "dst");
-        const cuda::WireType src_type = kernel_type(src, "src");
+        const DType dst_type = kernel_type(dst, "dst");
+        const DType src_type = kernel_type(src, "src");
         TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "ddpx: pass contiguous tensors");
         TORCH_CHECK(dst.numel() == src.numel() && dst.device() == src.device(),
                     "ddpx: dst and src must have the same size and device");
@@ -184,7 +172,7 @@ void bind_cuda(py::module& m) {
   m.def(
       "cuda_sum_slices",
       [](at::Tensor dst, const at::Tensor& src) {
-        const cuda::WireType type = kernel_type(dst, "dst");
+        const DType type = kernel_type(dst, "dst");
         TORCH_CHECK(
             src.dim() == 2 && src.size(0) >= 1 && src.stride(1) == 1 &&
                 src.stride(0) >= src.size(1),
