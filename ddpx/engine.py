@@ -18,7 +18,6 @@ from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension
 from ddpx._setup import create_cpu_engine, group_with_timeout, resolve_group
-from ddpx._setup import cross_chunk_bytes as cross_chunk_bytes  # ddpx.bench reads it here
 
 __all__ = ["all_reduce", "engine_for", "sparse_engine", "wire_dtype"]
 

@@ -67,7 +67,8 @@ import torch.distributed as dist
 
 import ddpx
 from ddpx._ext import extension
-from ddpx.engine import cross_chunk_bytes, engine_for
+from ddpx._setup import cross_chunk_bytes
+from ddpx.engine import engine_for
 from ddpx_bench import costmodel
 from ddpx_bench.common import (
     MPI_WORKDIR,

@@ -33,7 +33,7 @@ def busy_machine():
     --load 1."""
     # Not imported at the top: the ranks import this module before run_ranks sets their
     # environment, and ddpx reads its settings (DDPX_BLOCK_KB) when it is imported.
-    from ddpx.bench.launch import cpu_load
+    from ddpx_bench.launch import cpu_load
 
     with cpu_load(1) as pids:
         time.sleep(0.2)
