@@ -1,3 +1,5 @@
+// The abort watch: the thread that says in the job's store why this rank gave up, and reads
+// why another did, for the waits across nodes.
 #include "abort_watch.h"
 
 #include <c10/util/Exception.h>

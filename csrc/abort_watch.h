@@ -12,6 +12,8 @@
 #include <string>
 #include <thread>
 
+#include "waiter.h"
+
 namespace ddpx {
 
 // A thread of its own talks to the store, which may be out of reach (the link to its host cut):
@@ -30,8 +32,6 @@ class AbortWatch {
   void await(c10d::Work& work);
 
  private:
-  static constexpr auto kPoll = std::chrono::milliseconds(100);
-
   static void loop(std::shared_ptr<AbortWatch> watch);
 
   c10::intrusive_ptr<c10d::Store> store_;

@@ -1,3 +1,5 @@
+// The node's shared-memory channel: the segment's layout, the ranks' counters and call
+// descriptions, the waits for them (through the waiter), aborts, and reaching a peer's memory.
 #include "shm_channel.h"
 
 #include <c10/util/Exception.h>
@@ -14,34 +16,14 @@
 
 #include "errors.h"
 #include "shm_p2p.h"
-#include "waiting.h"
 
 namespace ddpx {
 namespace {
 
 constexpr uint64_t kMagic = 0x3878706464ULL;  // "ddpx8": shared all-reduces' block counters
-// Waiting for peers goes through three stages, none unbounded (see wait_all). Polling with
-// sched_yield alone costs a time slice per synchronisation once a process outside the job shares
-// the core, and spinning without looking at where the awaited rank runs costs twice the time
-// under that load (docs/under-load.md).
-constexpr auto kSpinFor = std::chrono::microseconds(50);  // pause-spin while peers may run
-// Spinning longer costs no awaited rank its CPU when each one is bound where this rank is not:
-// then it competes only with what else runs on this CPU, which the scheduler shares out anyway,
-// and a rank that sleeps through a peer's short descheduling waits a time slice to get back.
-constexpr auto kSpinApart = std::chrono::microseconds(500);
-// A rank working through narrow blocks publishes every few tens of microseconds; one silent for
-// this long is off its CPU, and spinning on would only spend this rank's share of its own.
-constexpr auto kPeerQuiet = std::chrono::microseconds(300);
-constexpr auto kYieldFor = std::chrono::microseconds(1000);  // yield-poll, oversubscribed only
-// A peer's share of one step takes well under this; a process outside the job, given the CPU by
-// a yield, keeps it for a time slice (a scheduler tick, 4 ms at HZ=250).
-constexpr auto kLostYield = std::chrono::microseconds(1000);
-constexpr auto kFirstYieldBan = std::chrono::milliseconds(100);
-constexpr auto kLastYieldBan = std::chrono::milliseconds(1600);
-constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
-// A rank that shares its core with a CPU-bound process waits for it about half the time; one
-// on an idle machine is preempted hundreds of times a second (by every short task that wakes on
-// its core while it spins) but waits for well under 1% of it.
+// A rank that shares its core with a CPU-bound process waits for it a large share of the time;
+// one on an idle machine, though preempted often (by every short task that wakes on its core
+// while it spins), hardly at all (docs/under-load.md has the figures).
 constexpr double kBusyDelayShare = 0.1;
 constexpr auto kDelaySpan = std::chrono::milliseconds(100);  // measured over at least this
 
@@ -53,16 +35,6 @@ int64_t run_delay_ns() {
   stat_file >> running >> waiting;
   return stat_file ? waiting : -1;
 }
-
-// Adds a wait's time to total_ns however the wait ends: ready, or an error.
-struct TimedWait {
-  std::chrono::steady_clock::time_point start;
-  std::atomic<uint64_t>& total_ns;
-  ~TimedWait() {
-    const auto ns = std::chrono::nanoseconds(std::chrono::steady_clock::now() - start).count();
-    total_ns.fetch_add(uint64_t(ns), std::memory_order_relaxed);
-  }
-};
 
 uint64_t pid_namespace() {
   struct stat st{};
@@ -100,10 +72,9 @@ struct alignas(64) ShmChannel::RankControl {
   std::atomic<int32_t> cpu;           // the CPU this rank last published from
   std::atomic<int64_t> published_ns;  // when this rank last published, on the steady clock
   char pad1[44];
-  // Peers waiting for this rank sleep on `wake`, which it bumps when it publishes while
-  // `sleepers` > 0: a publish wakes only the ranks that wait for this one.
-  std::atomic<uint32_t> sleepers;
-  std::atomic<uint32_t> wake;
+  // Peers waiting for this rank sleep on `wake`, which it rings when it publishes: a publish
+  // wakes only the ranks that wait for this one.
+  WakeWord wake;
   char pad2[56];
   CallMeta meta[2];   // per slot parity: what the call starting at that step is
   cpu_set_t allowed;  // the CPUs this rank may run on, as of its last call
@@ -130,8 +101,7 @@ struct ShmChannel::Header {
   // word their waiters sleep on.
   alignas(64) std::atomic<uint64_t> claimed_blocks;
   alignas(64) std::atomic<uint64_t> done_blocks;
-  std::atomic<uint32_t> done_sleepers;
-  std::atomic<uint32_t> done_wake;
+  WakeWord done_wake;
 };
 
 size_t ShmLayout::control_offset() { return round_up(sizeof(ShmChannel::Header), 64); }
@@ -180,7 +150,6 @@ ShmChannel::ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, in
                     header_->wide_bytes == layout_.wide_bytes,
                 "ddpx: shared memory segment was made by another ddpx version or layout");
   }
-  yield_ban_ = kFirstYieldBan;
   control_[me_].allowed = allowed_cpus();
   control_[me_].pid = int32_t(getpid());
   control_[me_].pid_ns = pid_namespace();
@@ -217,11 +186,7 @@ void ShmChannel::publish(Phase phase, uint64_t step) {
   mine.cpu.store(sched_getcpu(), std::memory_order_relaxed);
   mine.published_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   counter(me_, phase).store(step, std::memory_order_seq_cst);
-  // Paired with the sleeper's increment-then-recheck: either it sees our step or we see it.
-  if (mine.sleepers.load(std::memory_order_seq_cst) > 0) {
-    mine.wake.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&mine.wake);
-  }
+  mine.wake.ring();
 }
 
 bool ShmChannel::exited(int rank) const {
@@ -232,8 +197,8 @@ bool ShmChannel::exited(int rank) const {
 void ShmChannel::check_not_aborted() const {
   const int32_t by = header_->aborted_by.load(std::memory_order_acquire);
   if (by == 0 || by == me_ + 1) return;
-  C10_THROW_ERROR(DistBackendError, "ddpx: the shared-memory all-reduce was aborted by " +
-                                        rank_name(by - 1) + ": " + control_[by - 1].message);
+  C10_THROW_ERROR(DistBackendError, "ddpx: the collective was aborted by " + rank_name(by - 1) +
+                                        ": " + control_[by - 1].message);
 }
 
 void ShmChannel::fail(const std::string& message) {
@@ -241,12 +206,8 @@ void ShmChannel::fail(const std::string& message) {
   set_message(message);
   int32_t none = 0;
   header_->aborted_by.compare_exchange_strong(none, me_ + 1, std::memory_order_acq_rel);
-  for (int r = 0; r < layout_.nranks; ++r) {
-    control_[r].wake.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&control_[r].wake);
-  }
-  header_->done_wake.fetch_add(1, std::memory_order_seq_cst);
-  futex_wake_all(&header_->done_wake);
+  for (int r = 0; r < layout_.nranks; ++r) control_[r].wake.wake();
+  header_->done_wake.wake();
   if (on_fail_) on_fail_(message);
   C10_THROW_ERROR(DistBackendError, message);
 }
@@ -255,45 +216,35 @@ std::atomic<uint64_t>& ShmChannel::counter(int rank, Phase phase) const {
   return phase == Phase::Arrive ? control_[rank].arrived : control_[rank].reduced;
 }
 
-bool ShmChannel::behind(int rank, Phase phase, uint64_t step) const {
-  return rank != me_ && counter(rank, phase).load(std::memory_order_seq_cst) < step;
+RankSet ShmChannel::peers() const {
+  return ~RankSet(0) >> (64 - layout_.nranks) & ~(RankSet(1) << me_);
 }
 
-bool ShmChannel::peers_at(Phase phase, uint64_t step) const {
+RankSet ShmChannel::late(Phase phase, uint64_t step) const {
+  RankSet late = 0;
   for (int r = 0; r < layout_.nranks; ++r) {
-    if (behind(r, phase, step)) return false;
-  }
-  return true;
-}
-
-bool ShmChannel::awaited_on_cpu(Phase phase, uint64_t step, int cpu) const {
-  for (int r = 0; r < layout_.nranks; ++r) {
-    if (behind(r, phase, step) && control_[r].cpu.load(std::memory_order_relaxed) == cpu) {
-      return true;
+    if (r != me_ && counter(r, phase).load(std::memory_order_seq_cst) < step) {
+      late |= RankSet(1) << r;
     }
+  }
+  return late;
+}
+
+bool ShmChannel::may_run_on(RankSet ranks, const cpu_set_t& cpus) const {
+  for (; ranks != 0; ranks &= ranks - 1) {
+    cpu_set_t shared;
+    CPU_AND(&shared, &cpus, &control_[__builtin_ctzll(ranks)].allowed);
+    if (CPU_COUNT(&shared) > 0) return true;
   }
   return false;
 }
 
-bool ShmChannel::may_run_on(int rank, int cpu) const {
-  return cpu < 0 || CPU_ISSET(cpu, &control_[rank].allowed);
-}
-
-bool ShmChannel::awaited_may_run_on(Phase phase, uint64_t step, int cpu) const {
-  for (int r = 0; r < layout_.nranks; ++r) {
-    if (behind(r, phase, step) && may_run_on(r, cpu)) return true;
+std::string ShmChannel::numbers(RankSet ranks) const {
+  std::string text;
+  for (; ranks != 0; ranks &= ranks - 1) {
+    text += (text.empty() ? "" : ", ") + std::to_string(ranks_[size_t(__builtin_ctzll(ranks))]);
   }
-  return false;
-}
-
-bool ShmChannel::awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const {
-  for (int r = 0; r < layout_.nranks; ++r) {
-    if (behind(r, phase, step) &&
-        control_[r].published_ns.load(std::memory_order_relaxed) >= since_ns) {
-      return false;
-    }
-  }
-  return true;
+  return text;
 }
 
 int ShmChannel::ranks_cpu_count() const {
@@ -304,131 +255,87 @@ int ShmChannel::ranks_cpu_count() const {
 }
 
 std::string ShmChannel::wait_policy() const {
-  bool apart = true;
-  const cpu_set_t& mine = control_[me_].allowed;
-  for (int r = 0; r < layout_.nranks; ++r) {
-    cpu_set_t shared;
-    CPU_AND(&shared, &mine, &control_[r].allowed);
-    if (r != me_ && CPU_COUNT(&shared) > 0) apart = false;
-  }
-  const auto us = [](auto d) { return std::to_string(d.count()) + " us"; };
-  const int cpus = ranks_cpu_count();
-  if (layout_.nranks > cpus) {
-    return "waits yield first (" + std::to_string(layout_.nranks) + " ranks may run on " +
-           std::to_string(cpus) + " CPUs), then spin up to " + us(kSpinFor) + ", then sleep";
-  }
-  return "waits spin up to " + us(apart ? kSpinApart : kSpinFor) +
-         (apart ? " (this rank is bound apart from its peers)" : "") +
-         ", less once the awaited ranks are silent for " + us(kPeerQuiet) + ", then sleep";
+  return Waiter::policy(layout_.nranks, ranks_cpu_count(),
+                        !may_run_on(peers(), control_[me_].allowed));
 }
 
-ShmChannel::WaitStats ShmChannel::wait_stats() const {
-  return {waited_ns_.load(std::memory_order_relaxed), waits_.load(std::memory_order_relaxed),
-          sleeps_.load(std::memory_order_relaxed), yields_.load(std::memory_order_relaxed),
-          lost_yields_.load(std::memory_order_relaxed)};
-}
+// What the channel's waits share: the peers' bindings, their exits, the abort.
+class ShmChannel::Wait : public Waiter::Awaited {
+ public:
+  Wait(ShmChannel& channel, const std::string& what) : ch_(channel), what_(what) {}
 
-// The stages of a wait:
-// 1. With more local ranks than the CPUs they may run on together (their bindings' union, read
-//    at every call), the rank waited for is most likely queued behind this one,
-//    and sched_yield hands it the CPU: poll with it for up to kYieldFor. A yield that returns
-//    after kLostYield gave the CPU to a process outside the job for a whole time slice (a busy
-//    machine): then yield no more for kFirstYieldBan, doubling up to kLastYieldBan while it
-//    keeps happening.
-// 2. Otherwise spin with a pause instruction for up to kSpinFor while the ranks waited for may be
-//    running on other CPUs, kSpinApart when none of them may run on this one (ranks bound to
-//    cores of their own); stop at once when one of them last published from this CPU, where
-//    it cannot be running now (this thread is), and in narrow steps when none of them has
-//    published for kPeerQuiet (descheduled). Spinning keeps the CPU: a sleeper woken under load
-//    may wait a time slice for it.
-// 3. Sleep on the futex until a peer publishes; every kPoll, check whether a peer has exited,
-//    and give up at the timeout.
-bool ShmChannel::yield_while_cheap(Phase phase, uint64_t step, Clock::time_point start) {
-  for (auto asked = start; asked - start < kYieldFor;) {
-    sched_yield();
-    yields_.fetch_add(1, std::memory_order_relaxed);
-    if (peers_at(phase, step)) return true;
-    const auto back = Clock::now();
-    if (back - asked >= kLostYield) {
-      lost_yields_.fetch_add(1, std::memory_order_relaxed);
-      yields_banned_until_ = back + yield_ban_;
-      yield_ban_ = std::min<std::chrono::milliseconds>(2 * yield_ban_, kLastYieldBan);
-      return false;
-    }
-    yield_ban_ = kFirstYieldBan;
-    asked = back;
-  }
-  return false;
-}
-
-bool ShmChannel::spin_while_running(Phase phase, uint64_t step, Clock::time_point start,
-                                    bool wide) {
-  const int cpu = sched_getcpu();
-  const auto spin_for = awaited_may_run_on(phase, step, cpu) ? kSpinFor : kSpinApart;
-  const int64_t quiet_ns = std::chrono::nanoseconds(kPeerQuiet).count();
-  Clock::time_point now;
-  do {
-    for (int i = 0; i < 32; ++i) {
-      if (peers_at(phase, step)) return true;
-      cpu_relax();
-    }
-    now = Clock::now();
-  } while (!awaited_on_cpu(phase, step, cpu) && now - start < spin_for &&
-           (wide || !awaited_quiet(phase, step, now.time_since_epoch().count() - quiet_ns)));
-  return false;
-}
-
-void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, bool wide) {
-  if (peers_at(phase, step)) return;
-  waits_.fetch_add(1, std::memory_order_relaxed);
-  const auto start = Clock::now();
-  const TimedWait timed{start, waited_ns_};
-  if (oversubscribed_ && start >= yields_banned_until_) {
-    if (yield_while_cheap(phase, step, start)) return;
-  } else if (spin_while_running(phase, step, start, wide)) {
-    return;
-  }
-  const auto timeout = wait_timeout();
-  const auto deadline = start + timeout;
-  while (true) {
-    check_not_aborted();
-    // Sleep on the first rank still behind; the others are looked at once it has arrived.
-    int awaited = 0;
-    while (!behind(awaited, phase, step)) {
-      if (++awaited == layout_.nranks) return;
-    }
-    RankControl& peer = control_[awaited];
-    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t epoch = peer.wake.load(std::memory_order_seq_cst);
-    if (behind(awaited, phase, step) && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
-      sleeps_.fetch_add(1, std::memory_order_relaxed);
-      futex_wait(&peer.wake, epoch,
-                 std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
-    }
-    peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (peers_at(phase, step)) return;
-    if (!behind(awaited, phase, step)) continue;
-
-    std::vector<int> late;
-    for (int r = 0; r < layout_.nranks; ++r) {
-      if (behind(r, phase, step)) late.push_back(r);
-    }
-    const char* doing = phase == Phase::Arrive ? "send its block of" : "reduce its slice of";
-    for (int r : late) {
-      if (exited(r)) {
-        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(control_[r].pid) +
-             ") exited while " + rank_name(me_) + " waited for it to " + doing + " " + what +
-             " (step " + std::to_string(step) + ")");
+  std::string me() const override { return ch_.rank_name(ch_.me_); }
+  std::string exited() const override {
+    for (RankSet r = awaited(); r != 0; r &= r - 1) {
+      const int rank = __builtin_ctzll(r);
+      if (ch_.exited(rank)) {
+        return ch_.rank_name(rank) + " (pid " + std::to_string(ch_.control_[rank].pid) + ")";
       }
     }
-    if (Clock::now() >= deadline) {
-      std::ostringstream names;
-      for (size_t i = 0; i < late.size(); ++i) names << (i ? ", " : "") << ranks_[size_t(late[i])];
-      fail("ddpx: " + rank_name(me_) + " timed out after " + seconds_text(timeout) +
-           " s waiting for rank(s) " + names.str() + " to " + doing + " " + what + " (step " +
-           std::to_string(step) + "); raise the timeout if a peer can be this slow");
-    }
+    return "";
   }
+  bool may_run_on(int cpu) const override {
+    if (cpu < 0) return awaited() != 0;
+    cpu_set_t here;
+    CPU_ZERO(&here);
+    CPU_SET(cpu, &here);
+    return ch_.may_run_on(awaited(), here);
+  }
+  bool aborted() const override {
+    return ch_.header_->aborted_by.load(std::memory_order_seq_cst) != 0;
+  }
+  void check_not_aborted() const override { ch_.check_not_aborted(); }
+  void fail(const std::string& why) override { ch_.fail(why); }
+
+ protected:
+  // The ranks the wait may still be waiting for: whose binding decides the spin, and whose exit
+  // ends the wait.
+  virtual RankSet awaited() const = 0;
+
+  ShmChannel& ch_;
+  const std::string& what_;
+};
+
+// A wait for every peer to publish a step in a phase.
+class ShmChannel::StepWait final : public ShmChannel::Wait {
+ public:
+  StepWait(ShmChannel& channel, Phase phase, uint64_t step, const std::string& what, bool wide)
+      : Wait(channel, what), phase_(phase), step_(step), wide_(wide) {}
+
+  WakeWord* word() const override {
+    const RankSet late = awaited();
+    return late == 0 ? nullptr : &ch_.control_[__builtin_ctzll(late)].wake;
+  }
+  // A rank that last published from this CPU cannot be running now (this thread is); a wide
+  // step's ranks publish too seldom to be judged descheduled by their silence.
+  bool descheduled(int cpu, int64_t since_ns) const override {
+    bool quiet = !wide_;
+    for (RankSet r = awaited(); r != 0; r &= r - 1) {
+      const RankControl& peer = ch_.control_[__builtin_ctzll(r)];
+      if (peer.cpu.load(std::memory_order_relaxed) == cpu) return true;
+      if (peer.published_ns.load(std::memory_order_relaxed) >= since_ns) quiet = false;
+    }
+    return quiet;
+  }
+  bool yields() const override { return true; }
+  std::string waited_for(bool gone) const override {
+    return "for " + (gone ? std::string("it") : "rank(s) " + ch_.numbers(awaited())) + " to " +
+           (phase_ == Phase::Arrive ? "send its block of " : "reduce its slice of ") + what_ +
+           " (step " + std::to_string(step_) + ")";
+  }
+
+ private:
+  RankSet awaited() const override { return ch_.late(phase_, step_); }
+
+  Phase phase_;
+  uint64_t step_;
+  bool wide_;
+};
+
+void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, bool wide) {
+  if (late(phase, step) == 0) return;
+  StepWait wait(*this, phase, step, what, wide);
+  waiter_.wait(wait, wait_timeout());
 }
 
 bool ShmChannel::claim_block(uint64_t end, uint64_t* block) {
@@ -450,67 +357,46 @@ void ShmChannel::block_done(uint64_t end) {
   control_[me_].summing.store(0, std::memory_order_relaxed);
   // Paired with the sleeper's increment-then-recheck, as in publish.
   const uint64_t done = header_->done_blocks.fetch_add(1, std::memory_order_seq_cst) + 1;
-  if (done == end && header_->done_sleepers.load(std::memory_order_seq_cst) > 0) {
-    header_->done_wake.fetch_add(1, std::memory_order_seq_cst);
-    futex_wake_all(&header_->done_wake);
-  }
+  if (done == end) header_->done_wake.ring();
 }
 
-// A shared call's last blocks are being summed by ranks that are running (they claimed them), so
-// the wait spins as wait_all's does while they may run elsewhere, then sleeps; every kPoll it
-// checks that no peer has exited and that the timeout has not passed.
+// A wait for a shared call's blocks to be done. Its last blocks are being summed by ranks that
+// are running (they claimed them): the wait spins while they may run elsewhere, then sleeps.
+class ShmChannel::BlocksWait final : public ShmChannel::Wait {
+ public:
+  BlocksWait(ShmChannel& channel, uint64_t end, const std::string& what)
+      : Wait(channel, what), end_(end) {}
+
+  WakeWord* word() const override {
+    const bool done = ch_.header_->done_blocks.load(std::memory_order_acquire) >= end_;
+    return done ? nullptr : &ch_.header_->done_wake;
+  }
+  // The claimers publish nothing while they sum.
+  bool descheduled(int, int64_t) const override { return false; }
+  bool yields() const override { return false; }
+  std::string waited_for(bool gone) const override {
+    if (gone) return "for the ranks to sum " + what_;
+    RankSet summing = 0;
+    for (int r = 0; r < ch_.layout_.nranks; ++r) {
+      if (r != ch_.me_ && ch_.control_[r].summing.load(std::memory_order_relaxed) > 0) {
+        summing |= RankSet(1) << r;
+      }
+    }
+    return "for " + (summing == 0 ? std::string("the ranks") : "rank(s) " + ch_.numbers(summing)) +
+           " to sum their blocks of " + what_;
+  }
+
+ private:
+  // Any peer may claim a block until all are claimed.
+  RankSet awaited() const override { return ch_.peers(); }
+
+  uint64_t end_;
+};
+
 void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
-  const auto done = [&] { return header_->done_blocks.load(std::memory_order_acquire) >= end; };
-  if (done()) return;
-  waits_.fetch_add(1, std::memory_order_relaxed);
-  const auto start = Clock::now();
-  const TimedWait timed{start, waited_ns_};
-  if (!oversubscribed_) {
-    const int cpu = sched_getcpu();
-    bool apart = true;
-    for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && may_run_on(r, cpu)) apart = false;
-    }
-    const auto spin_for = apart ? kSpinApart : kSpinFor;
-    do {
-      for (int i = 0; i < 32; ++i) {
-        if (done()) return;
-        cpu_relax();
-      }
-    } while (Clock::now() - start < spin_for);
-  }
-  const auto timeout = wait_timeout();
-  const auto deadline = start + timeout;
-  while (true) {
-    check_not_aborted();
-    header_->done_sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t epoch = header_->done_wake.load(std::memory_order_seq_cst);
-    if (!done() && header_->aborted_by.load(std::memory_order_seq_cst) == 0) {
-      sleeps_.fetch_add(1, std::memory_order_relaxed);
-      futex_wait(&header_->done_wake, epoch,
-                 std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
-    }
-    header_->done_sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (done()) return;
-    for (int r = 0; r < layout_.nranks; ++r) {
-      if (r != me_ && exited(r)) {
-        fail("ddpx: " + rank_name(r) + " (pid " + std::to_string(control_[r].pid) +
-             ") exited while " + rank_name(me_) + " waited for the ranks to sum " + what);
-      }
-    }
-    if (Clock::now() >= deadline) {
-      std::ostringstream names;
-      for (int r = 0; r < layout_.nranks; ++r) {
-        if (r != me_ && control_[r].summing.load(std::memory_order_relaxed) > 0) {
-          names << (names.tellp() > 0 ? ", " : "") << ranks_[size_t(r)];
-        }
-      }
-      fail("ddpx: " + rank_name(me_) + " timed out after " + seconds_text(timeout) +
-           " s waiting for " +
-           (names.tellp() > 0 ? "rank(s) " + names.str() : std::string("the ranks")) +
-           " to sum their blocks of " + what + "; raise the timeout if a peer can be this slow");
-    }
-  }
+  if (header_->done_blocks.load(std::memory_order_acquire) >= end) return;
+  BlocksWait wait(*this, end, what);
+  waiter_.wait(wait, wait_timeout());
 }
 
 void ShmChannel::copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
@@ -584,7 +470,7 @@ void ShmChannel::begin_call() {
   // The binding is the user's and may change between calls (taskset -p): each call reads it.
   // A peer's set may be a call old, or torn while it writes it; either only misjudges one wait.
   control_[me_].allowed = allowed_cpus();
-  oversubscribed_ = oversubscribed();
+  waiter_.set_oversubscribed(oversubscribed());
   const auto now = Clock::now();
   if (now - delay_since_ < kDelaySpan) return;
   const int tid = int(gettid());

@@ -9,9 +9,9 @@
 // step s-1, which each does only after it finished reading step s-2, the last user of those
 // slots.
 //
-// A wait spins, yields or sleeps on a futex depending on where the ranks may run (see wait_all
-// in the .cpp); every wait is bounded, ends when a peer's process exits, and once one rank gives
-// up every other rank's wait ends with its reason.
+// A wait spins, yields or sleeps on a futex depending on where the ranks may run (waiter.h);
+// every wait is bounded, ends when a peer's process exits, and once one rank gives up every
+// other rank's wait ends with its reason.
 #pragma once
 
 #include <sched.h>
@@ -27,6 +27,7 @@
 
 #include "kernels.h"
 #include "shm_segment.h"
+#include "waiter.h"
 
 namespace ddpx {
 
@@ -115,14 +116,8 @@ class ShmChannel {
   std::string rank_name(int local) const;
 
   // What this rank's waits for its peers have done so far.
-  struct WaitStats {
-    uint64_t waited_ns;    // time spent in waits, spinning, yielding or asleep
-    uint64_t waits;        // synchronisations at which some peer was not there yet
-    uint64_t sleeps;       // futex sleeps
-    uint64_t yields;       // sched_yield calls; only with more local ranks than CPUs
-    uint64_t lost_yields;  // yields that gave the CPU away to a process outside the job
-  };
-  WaitStats wait_stats() const;
+  using WaitStats = ddpx::WaitStats;
+  WaitStats wait_stats() const { return waiter_.stats(); }
   // How this rank's waits go, for the CPUs the ranks were bound to at their last call.
   std::string wait_policy() const;
   // Bounds the waits of the calls made until it is reset (zero: the channel's own timeout).
@@ -156,20 +151,21 @@ class ShmChannel {
   struct RankControl;
 
  private:
+  // The waits, as the waiter asks them (defined in the .cpp).
+  class Wait;
+  class StepWait;
+  class BlocksWait;
+
   std::atomic<uint64_t>& counter(int rank, Phase phase) const;
-  bool behind(int rank, Phase phase, uint64_t step) const;  // false for this rank itself
-  bool peers_at(Phase phase, uint64_t step) const;
-  bool awaited_on_cpu(Phase phase, uint64_t step, int cpu) const;
+  RankSet peers() const;  // every local rank but this one
+  // The peers that have not yet published step in phase.
+  RankSet late(Phase phase, uint64_t step) const;
   // How many CPUs the local ranks may run on together, as each last published its binding.
   int ranks_cpu_count() const;
-  // Whether no rank still awaited has published since since_ns (steady clock): all seem to be
-  // off their CPUs, descheduled, rather than working.
-  bool awaited_quiet(Phase phase, uint64_t step, int64_t since_ns) const;
-  // Whether a rank still awaited may be scheduled on `cpu` (its binding allows it).
-  bool awaited_may_run_on(Phase phase, uint64_t step, int cpu) const;
-  // The first two stages of wait_all, from the wait's start; true when the peers are there.
-  bool yield_while_cheap(Phase phase, uint64_t step, Clock::time_point start);
-  bool spin_while_running(Phase phase, uint64_t step, Clock::time_point start, bool wide);
+  // Whether a rank of `ranks` may be scheduled on one of cpus, as it last published its binding.
+  bool may_run_on(RankSet ranks, const cpu_set_t& cpus) const;
+  // "1, 3": the process-group ranks of `ranks`.
+  std::string numbers(RankSet ranks) const;
   void check_not_aborted() const;
   // Copies bytes between local_bytes here and remote_address in local rank `rank`'s process
   // with process_vm_readv or process_vm_writev; a refusal fails the channel, naming the cause.
@@ -177,8 +173,6 @@ class ShmChannel {
                                unsigned long);
   void copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
                       uint64_t remote_address, size_t bytes, const std::string& what);
-  // Whether local rank `rank`'s binding lets it run on cpu (true when cpu is unknown, < 0).
-  bool may_run_on(int rank, int cpu) const;
   // What bounds a wait: the call's timeout, if one is set, else the channel's.
   std::chrono::milliseconds wait_timeout() const {
     return call_timeout_.count() > 0 ? call_timeout_ : timeout_;
@@ -195,10 +189,7 @@ class ShmChannel {
   char* data_;
   std::string failure_;
   std::function<void(const std::string&)> on_fail_;
-  bool oversubscribed_ = false;  // more local ranks than CPUs all of them may run on
-  Clock::time_point yields_banned_until_{};
-  std::chrono::milliseconds yield_ban_;
-  std::atomic<uint64_t> waited_ns_{0}, waits_{0}, sleeps_{0}, yields_{0}, lost_yields_{0};
+  Waiter waiter_;
   // The word peers probe (probe_peers): this process's pid, at an address they read in control_.
   uint64_t probe_word_;
   std::string unreachable_because_;

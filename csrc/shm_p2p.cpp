@@ -1,3 +1,5 @@
+// Point-to-point between the ranks of one node: the rings in the segment, the movers that fill
+// and empty them, and the works that callers wait on.
 #include "shm_p2p.h"
 
 #include <c10/util/Exception.h>
@@ -13,9 +15,8 @@
 #include <list>
 #include <mutex>
 
-#include "errors.h"
 #include "shm_channel.h"
-#include "waiting.h"
+#include "waiter.h"
 
 namespace ddpx {
 namespace {
@@ -28,18 +29,13 @@ constexpr size_t kRingsBudget = size_t(16) << 20;
 constexpr size_t kMinRing = size_t(64) << 10;
 constexpr size_t kMaxRing = size_t(2) << 20;
 constexpr size_t kPiecesPerRing = 8;
-// A mover with nothing to move spins (or yields) this long before it sleeps: a peer's next piece
-// or a ping-pong's answer usually comes sooner, and a sleeper pays a wake-up for it.
-constexpr auto kSpin = std::chrono::microseconds(50);
-constexpr auto kPoll = std::chrono::milliseconds(100);  // how often a sleeper checks its peers
 // How long the thread leaves a new send or receive to its caller before it moves it itself.
 constexpr auto kGrace = std::chrono::microseconds(100);
 
-// A rank's doorbell: whoever moves its sends and receives sleeps on `word` when there is nothing
-// to move, and a peer that publishes to it, or a local thread that posts, bumps the word.
+// A rank's doorbell: whoever moves its sends and receives sleeps on it when there is nothing to
+// move, and a peer that publishes to it, or a local thread that posts, rings it.
 struct alignas(64) Doorbell {
-  std::atomic<uint32_t> sleepers;
-  std::atomic<uint32_t> word;
+  WakeWord word;
 };
 
 // One ring's counters, in bytes since the start: the sender's and the receiver's apart.
@@ -166,13 +162,9 @@ struct ShmPointToPoint::State {
   std::string name(int local) const { return channel.rank_name(local); }
 
   void ring_bell(int rank) {
-    Doorbell& bell = bells[rank];
-    // Orders what the caller published (a counter, a future's completion) before the check.
+    // Orders what the caller published (a counter, a future's completion) before the ring.
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (bell.sleepers.load(std::memory_order_seq_cst) > 0) {
-      bell.word.fetch_add(1, std::memory_order_seq_cst);
-      futex_wake_all(&bell.word);
-    }
+    bells[rank].word.ring();
   }
 
   // Copies between a ring and memory, across the ring's end where the span wraps.
@@ -402,6 +394,27 @@ struct ShmPointToPoint::State {
     ring_bell(me);  // a caller waiting for one of these may be asleep
   }
 
+  // What the errors that end an op say of it (Waiter::stalled words them).
+  struct OpStall final : Waiter::Stall {
+    const State& state;
+    const Op& op;
+    OpStall(const State& s, const Op& o) : state(s), op(o) {}
+
+    std::string me() const override { return state.name(state.me); }
+    std::string exited() const override {
+      return op.peer >= 0 && state.channel.exited(op.peer) ? state.name(op.peer) : "";
+    }
+    std::string waited_for(bool gone) const override {
+      const std::string whom = gone ? "it" : op.peer < 0 ? "any rank" : state.name(op.peer);
+      return (op.is_send ? "to send " : "to receive ") + std::to_string(op.bytes) + " bytes (tag " +
+             std::to_string(op.tag) + ")" + (op.is_send ? " to " : " from ") + whom;
+    }
+    std::string fix() const override {
+      return ": post the matching " + std::string(op.is_send ? "recv" : "send") +
+             " on the peer, or raise the process group's timeout if it can be this slow";
+    }
+  };
+
   // Fails what waits on a peer that has exited, or beyond its deadline. An op cut off halfway
   // leaves its ring mid-message: the pair's later sends and receives fail too.
   void check_stalled() {
@@ -411,20 +424,8 @@ struct ShmPointToPoint::State {
       const auto now = Clock::now();
       if (now - checked < kPoll) return;
       checked = now;
-      const auto why = [&](const Op& op) -> std::string {
-        const std::string doing = op.is_send ? "send " : "receive ";
-        const std::string what =
-            doing + std::to_string(op.bytes) + " bytes (tag " + std::to_string(op.tag) + ")";
-        if (op.peer >= 0 && channel.exited(op.peer)) {
-          return "ddpx: " + name(op.peer) + " exited while " + name(me) + " waited to " + what +
-                 (op.is_send ? " to it" : " from it");
-        }
-        if (now < op.deadline) return "";
-        return "ddpx: " + name(me) + " timed out after " + seconds_text(channel.timeout()) +
-               " s waiting to " + what +
-               (op.peer < 0 ? " from any rank" : (op.is_send ? " to " : " from ") + name(op.peer)) +
-               ": post the matching " + (op.is_send ? "recv" : "send") + " on the peer, or " +
-               "raise the process group's timeout if it can be this slow";
+      const auto why = [&](const Op& op) {
+        return Waiter::stalled(OpStall(*this, op), op.deadline, channel.timeout());
       };
       for (int peer = 0; peer < n; ++peer) {
         auto& queue = sends[size_t(peer)];
@@ -467,7 +468,7 @@ struct ShmPointToPoint::State {
     finish(done);
   }
 
-  // Moves what it can; with nothing to move spins for kSpin since the last move, then sleeps
+  // Moves what it can; with nothing to move spins for kSpinFor since the last move, then sleeps
   // until a peer or a caller rings this rank's doorbell, or kPoll passes. A caller waiting for
   // an op passes its future: another mover may end it meanwhile, and then rings the bell after
   // completing it, so this checks it between announcing itself as a sleeper and sleeping.
@@ -476,7 +477,7 @@ struct ShmPointToPoint::State {
       idle_since = Clock::now();
       return;
     }
-    if (Clock::now() - idle_since < kSpin) {
+    if (Clock::now() - idle_since < kSpinFor) {
       // With more ranks than CPUs the peer this rank waits for most likely waits for its CPU.
       if (channel.oversubscribed()) {
         sched_yield();
@@ -485,12 +486,13 @@ struct ShmPointToPoint::State {
       }
       return;
     }
-    Doorbell& bell = bells[me];
-    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t epoch = bell.word.load(std::memory_order_seq_cst);
-    const bool moved = pass();
-    if (!moved && !(awaited && awaited->completed())) futex_wait(&bell.word, epoch, kPoll);
-    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    bool moved = false;
+    bells[me].word.sleep(
+        [&] {
+          moved = pass();
+          return !moved && !(awaited && awaited->completed());
+        },
+        kPoll);
     if (moved) {
       idle_since = Clock::now();
       return;

@@ -15,6 +15,7 @@ CPP_SOURCES = (
     "kernels.cpp",
     "kernels_avx2.cpp",
     "shm_segment.cpp",
+    "waiter.cpp",
     "shm_channel.cpp",
     "schedule.cpp",
     "node_comm.cpp",
