@@ -24,7 +24,7 @@ void allgather_in_node(NodeComm& comm, const CallMeta& mine, bool first, const v
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step = comm.exchange(
-        mine, first && b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Store::Cached); },
+        mine, first && b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Write::Cached); },
         what);
     if (count == 0) continue;
     for (int r = 0; r < channel.size(); ++r) {
@@ -51,7 +51,7 @@ void allgather_across_nodes(NodeComm& comm, const void* in, size_t bytes, int32_
     const size_t n = std::min(piece, bytes - lo);
     comm.across("transfer", what, [&] { link.start_all_gather(src + lo, n, lane + lo * nodes); });
   }
-  const Store store = bytes * node_ranks.size() >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write write = bytes * node_ranks.size() >= kStreamBytes ? Write::Streaming : Write::Cached;
   for (size_t lo = 0; lo < bytes; lo += piece) {
     const size_t n = std::min(piece, bytes - lo);
     comm.across("transfer", what, [&] { link.finish_trade(); });
@@ -61,7 +61,7 @@ void allgather_across_nodes(NodeComm& comm, const void* in, size_t bytes, int32_
           while (count > 0) {
             const size_t node = at / n, offset = at % n, part = std::min(count, n - offset);
             char* to = static_cast<char*>(outs[node_ranks[node * ranks + size_t(r)]]) + lo + offset;
-            if (to != from) kernels().copy(to, from, part, store);
+            if (to != from) kernels().copy(to, from, part, write);
             at += part;
             from += part;
             count -= part;
@@ -81,13 +81,13 @@ void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype
   }
   const CallMeta mine =
       comm.begin_local(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what, torch_dtype);
-  const Store store =
-      bytes * size_t(comm.channel().size()) >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write write =
+      bytes * size_t(comm.channel().size()) >= kStreamBytes ? Write::Streaming : Write::Cached;
   allgather_in_node(
       comm, mine, true, in, bytes,
       [&](int r, size_t lo, const char* from, size_t count) {
         char* part = static_cast<char*>(outs[r]) + lo;
-        if (part != from) kernels().copy(part, from, count, store);
+        if (part != from) kernels().copy(part, from, count, write);
       },
       what);
 }

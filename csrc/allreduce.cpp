@@ -53,7 +53,7 @@ struct AllreduceCall {
   SumRule rule;
   bool wide;              // wide steps
   bool own_slice_direct;  // see allreduce
-  Store out_store;
+  Write out_write;
   const std::string& what;
   Clock::duration skew{};  // the wait for the ranks to arrive at the first step
 };
@@ -70,11 +70,11 @@ uint64_t arrive(AllreduceCall& call, int64_t b) {
   char* slot = call.channel.input_slot(x.me, step);
   if (count > 0 && call.own_slice_direct) {
     const auto [lo, hi] = x.slice(count);
-    k.pack(slot, x.wire, x.at(b), x.dtype, lo, call.rule.input_scale, Store::Cached);
-    k.pack(slot + size_t(hi) * x.wire_size, x.wire, x.at(b) + size_t(hi) * x.data_size, x.dtype,
-           count - hi, call.rule.input_scale, Store::Cached);
+    k.convert(slot, x.wire, x.at(b), x.dtype, lo, call.rule.input_scale, Write::Cached);
+    k.convert(slot + size_t(hi) * x.wire_size, x.wire, x.at(b) + size_t(hi) * x.data_size, x.dtype,
+              count - hi, call.rule.input_scale, Write::Cached);
   } else if (count > 0) {
-    k.pack(slot, x.wire, x.at(b), x.dtype, count, call.rule.input_scale, Store::Cached);
+    k.convert(slot, x.wire, x.at(b), x.dtype, count, call.rule.input_scale, Write::Cached);
   }
   call.channel.publish(Phase::Arrive, step);
   const auto waits_from = Clock::now();
@@ -95,7 +95,7 @@ void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, 
     srcs[r] = call.channel.input_slot(r, step) + size_t(lo) * x.wire_size;
   }
   if (call.own_slice_direct) srcs[x.me] = x.at(b) + size_t(lo) * x.data_size;
-  kernels().reduce(out, x.acc, srcs, x.ranks, x.wire, hi - lo, 1.0, Store::Cached);
+  kernels().reduce(out, x.acc, srcs, x.ranks, x.wire, hi - lo, 1.0, Write::Cached);
 }
 
 // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
@@ -103,8 +103,8 @@ void copy_out(const AllreduceCall& call, uint64_t step, int64_t b) {
   const Blocks& x = call.blocks;
   call.channel.publish(Phase::Reduce, step);
   call.channel.wait_all(Phase::Reduce, step, call.what, call.wide);
-  kernels().pack(x.at(b), x.dtype, call.channel.output_slot(step), x.acc, x.elements(b),
-                 call.rule.sum_scale, call.out_store);
+  kernels().convert(x.at(b), x.dtype, call.channel.output_slot(step), x.acc, x.elements(b),
+                    call.rule.sum_scale, call.out_write);
 }
 
 void allreduce_in_node(AllreduceCall& call, bool one_shot) {
@@ -116,7 +116,7 @@ void allreduce_in_node(AllreduceCall& call, bool one_shot) {
     if (one_shot) {
       for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
       kernels().reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale,
-                       call.out_store);
+                       call.out_write);
       continue;
     }
     const auto [lo, hi] = x.slice(count);
@@ -131,7 +131,7 @@ size_t shared_block_bytes(const ShmLayout& layout, size_t bytes) {
   return std::min(layout.block_bytes, std::max(kMinSharedBlock, share));
 }
 
-// The claimer reads each peer's block (in the tensor's dtype), packs every rank's into the wire
+// The claimer reads each peer's block (in the tensor's dtype), converts every rank's into the wire
 // dtype where the call compresses, sums them in rank order into its own tensor as the
 // one-shot schedule does, and writes the result into every peer's.
 void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
@@ -141,9 +141,9 @@ void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
   if (count == 0) return;
   const size_t raw_bytes = size_t(count) * x.data_size;
   const size_t offset = size_t(b * x.per_block) * x.data_size;
-  const bool packed = x.wire != x.dtype;
+  const bool converted = x.wire != x.dtype;
   const size_t raw_room = size_t(x.per_block) * x.data_size;
-  const size_t wire_room = packed ? size_t(x.per_block) * x.wire_size : 0;
+  const size_t wire_room = converted ? size_t(x.per_block) * x.wire_size : 0;
   std::vector<char>& scratch = call.comm.allreduce_buffers().shared_scratch;
   scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
   const void* srcs[kMaxLocalRanks];
@@ -155,13 +155,13 @@ void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
                              call.what);
     }
     srcs[r] = raw;
-    if (packed) {
+    if (converted) {
       char* wire = scratch.data() + size_t(x.ranks) * raw_room + size_t(r) * wire_room;
-      k.pack(wire, x.wire, raw, x.dtype, count, call.rule.input_scale, Store::Cached);
+      k.convert(wire, x.wire, raw, x.dtype, count, call.rule.input_scale, Write::Cached);
       srcs[r] = wire;
     }
   }
-  k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale, Store::Cached);
+  k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale, Write::Cached);
   for (int r = 0; r < x.ranks; ++r) {
     if (r == x.me) continue;
     call.channel.write_peer(r, call.channel.posted(r, step).address + offset, x.at(b), raw_bytes,
@@ -234,8 +234,8 @@ void allreduce_across_nodes(AllreduceCall& call) {
     for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
       const uint64_t step = comm.next_step();
       const auto [lo, hi] = x.slice(x.elements(b));
-      kernels().pack(call.channel.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
-                     x.acc, hi - lo, 1.0, Store::Cached);
+      kernels().convert(call.channel.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
+                        x.acc, hi - lo, 1.0, Write::Cached);
       copy_out(call, step, b);
     }
   };
@@ -298,17 +298,17 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
                       dtype_size(acc),
                       channel.size(),
                       channel.me()};
-  const Store out_store =
-      size_t(numel) * blocks.data_size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write out_write =
+      size_t(numel) * blocks.data_size >= kStreamBytes ? Write::Streaming : Write::Cached;
   const bool one_shot = schedule == ScheduleChoice::kOneShot;
   // The two-phase schedule sums this rank's slice of its own block straight from the tensor
   // when the wire holds the tensor's values unchanged (uncompressed: SumRule scales the sum), so
-  // that slice is never copied in: the same bits as packed, a sixth less memory traffic at 2
+  // that slice is never copied in: the same bits as converted, a sixth less memory traffic at 2
   // ranks. Only for a tensor that fits in the cache: from memory, reading it in the sum is slower
   // than copying it in first.
-  const bool own_slice_direct = !one_shot && wire == dtype && out_store == Store::Cached;
+  const bool own_slice_direct = !one_shot && wire == dtype && out_write == Write::Cached;
   AllreduceCall call{comm, channel,          blocks,    meta, SumRule(dtype, wire, scale),
-                     wide, own_slice_direct, out_store, what};
+                     wide, own_slice_direct, out_write, what};
   if (comm.spans_nodes()) {
     allreduce_across_nodes(call);
     return;

@@ -24,7 +24,7 @@ void alltoall_in_node(NodeComm& comm, const CallMeta& mine, bool first, const vo
   const size_t steps = longest == 0 ? 1 : (longest + part - 1) / part;
   size_t total = 0;
   for (int r = 0; r < n; ++r) total += receives[r];
-  const Store store = total >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write write = total >= kStreamBytes ? Write::Streaming : Write::Cached;
   const auto piece = [&](size_t bytes, size_t lo) {
     return lo < bytes ? std::min(part, bytes - lo) : size_t(0);
   };
@@ -37,7 +37,7 @@ void alltoall_in_node(NodeComm& comm, const CallMeta& mine, bool first, const vo
             const size_t count = r == me ? 0 : piece(sends[r], lo);
             if (count > 0) {
               k.copy(slot + size_t(r) * part, static_cast<const char*>(ins[r]) + lo, count,
-                     Store::Cached);
+                     Write::Cached);
             }
           }
         },
@@ -48,7 +48,7 @@ void alltoall_in_node(NodeComm& comm, const CallMeta& mine, bool first, const vo
       const char* from = r == me ? static_cast<const char*>(ins[me]) + lo
                                  : channel.input_slot(r, step) + size_t(me) * part;
       char* to = static_cast<char*>(outs[r]) + lo;
-      if (to != from) k.copy(to, from, count, store);
+      if (to != from) k.copy(to, from, count, write);
     }
   }
 }
@@ -98,7 +98,7 @@ void alltoall_across_nodes(NodeComm& comm, const void* const* ins, void* const* 
       if (node == here) continue;
       for (size_t r = 0; r < ranks; ++r) {
         kernels().copy(static_cast<char*>(outs[node_ranks[node * ranks + r]]) + lo,
-                       piece_received + (node * ranks + r) * n, n, Store::Cached);
+                       piece_received + (node * ranks + r) * n, n, Write::Cached);
       }
     }
   }

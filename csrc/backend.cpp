@@ -1,6 +1,6 @@
 // The c10d surface of the ddpx backend: each override opens the call's profiler range, picks its
-// route (the engine or the inner gloo) and dispatches; the steps the engine runs are in
-// backend_steps.cpp, the works it returns in backend_work.cpp.
+// route (the engine or the inner gloo) and dispatches; the tasks the engine runs are in
+// backend_tasks.cpp, the works it returns in backend_work.cpp.
 #include "backend.h"
 
 #include <ATen/record_function.h>
@@ -62,12 +62,12 @@ std::string Backend::describe() const {
 c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
                                                   std::chrono::milliseconds timeout,
                                                   std::vector<at::Tensor> outputs,
-                                                  std::vector<Step> steps) {
+                                                  std::vector<Task> tasks) {
   count(name, Route::kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
   if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
   auto run_all = [name, profiler = CallerProfiler(), outputs = c10::List<at::Tensor>(outputs),
-                  steps = std::move(steps), timeout](NodeComm& comm) {
+                  tasks = std::move(tasks), timeout](NodeComm& comm) {
     const ProfilerGuard traced(profiler);
     RECORD_FUNCTION(std::string("ddpx::") + name + " (engine)", std::vector<c10::IValue>());
     struct CallTimeout {
@@ -75,7 +75,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
       ~CallTimeout() { comm.set_call_timeout(std::chrono::milliseconds(0)); }
     } reset{comm};
     comm.set_call_timeout(timeout);
-    for (const Step& step : steps) step(comm);
+    for (const Task& task : tasks) task(comm);
     return c10::IValue(outputs);
   };
   c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -124,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
     return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
   }
   return on_engine("all_reduce", opts, tensors,
-                   {all_reduce_step(tensors[0], opts.reduceOp, getSize())});
+                   {all_reduce_task(tensors[0], opts.reduceOp, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
@@ -141,9 +141,9 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
   if (!engine_ || !strided) {
     return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   }
-  std::vector<Step> steps;
-  for (const auto& t : tensors) steps.push_back(all_reduce_step(t, opts.reduceOp, getSize()));
-  return on_engine("all_reduce_coalesced", opts, tensors, std::move(steps));
+  std::vector<Task> tasks;
+  for (const auto& t : tensors) tasks.push_back(all_reduce_task(t, opts.reduceOp, getSize()));
+  return on_engine("all_reduce_coalesced", opts, tensors, std::move(tasks));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
@@ -151,7 +151,7 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   RECORD_FUNCTION("ddpx::broadcast", std::vector<c10::IValue>());
   TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: broadcast takes one CPU tensor");
   if (!engine_) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
-  return on_engine("broadcast", opts, tensors, {broadcast_step(tensors[0], int(opts.rootRank))});
+  return on_engine("broadcast", opts, tensors, {broadcast_task(tensors[0], int(opts.rootRank))});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -162,7 +162,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
                     "ddpx: all_gather takes one CPU tensor");
   if (!engine_) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
   return on_engine("all_gather", opts, outputs[0],
-                   {all_gather_step(outputs[0], inputs[0], getSize())});
+                   {all_gather_task(outputs[0], inputs[0], getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -172,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
   return on_engine("all_gather_into_tensor", opts, {output},
-                   {all_gather_into_tensor_step(output, input, getSize())});
+                   {all_gather_into_tensor_task(output, input, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
@@ -184,11 +184,11 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
                    gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
-  std::vector<Step> steps;
+  std::vector<Task> tasks;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    steps.push_back(all_gather_into_tensor_step(outputs[i], inputs[i], getSize()));
+    tasks.push_back(all_gather_into_tensor_task(outputs[i], inputs[i], getSize()));
   }
-  return on_engine("all_gather_into_tensor_coalesced", opts, outputs, std::move(steps));
+  return on_engine("all_gather_into_tensor_coalesced", opts, outputs, std::move(tasks));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
@@ -206,7 +206,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
                     "ddpx: reduce_scatter takes one CPU tensor");
   if (!engine_) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
   return on_engine("reduce_scatter", opts, outputs,
-                   {reduce_scatter_step(outputs[0], inputs[0], opts.reduceOp, getSize())});
+                   {reduce_scatter_task(outputs[0], inputs[0], opts.reduceOp, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
@@ -216,7 +216,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
   return on_engine("reduce_scatter_tensor", opts, {output},
-                   {reduce_scatter_tensor_step(output, input, opts.reduceOp, getSize())});
+                   {reduce_scatter_tensor_task(output, input, opts.reduceOp, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
@@ -228,17 +228,17 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
                    gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
-  std::vector<Step> steps;
+  std::vector<Task> tasks;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    steps.push_back(reduce_scatter_tensor_step(outputs[i], inputs[i], opts.reduceOp, getSize()));
+    tasks.push_back(reduce_scatter_tensor_task(outputs[i], inputs[i], opts.reduceOp, getSize()));
   }
-  return on_engine("reduce_scatter_tensor_coalesced", opts, outputs, std::move(steps));
+  return on_engine("reduce_scatter_tensor_coalesced", opts, outputs, std::move(tasks));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   RECORD_FUNCTION("ddpx::barrier", std::vector<c10::IValue>());
   if (!engine_) return on_gloo("barrier", gloo_->barrier(opts));
-  return on_engine("barrier", opts, {}, {barrier_step()});
+  return on_engine("barrier", opts, {}, {barrier_task()});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
@@ -252,7 +252,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   }
   // The all-reduce, whose result the other ranks drop: their tensors keep their values.
   const at::Tensor data = getRank() == root ? t : t.clone();
-  return on_engine("reduce", opts, tensors, {all_reduce_step(data, opts.reduceOp, getSize())});
+  return on_engine("reduce", opts, tensors, {all_reduce_task(data, opts.reduceOp, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -266,7 +266,7 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
   const std::vector<at::Tensor> list = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
   return on_engine(
       "gather", opts, list,
-      {rooted_step(inputs[0], list, root, true, "torch.distributed.gather", getSize())});
+      {rooted_task(inputs[0], list, root, true, "torch.distributed.gather", getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
@@ -280,7 +280,7 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   const std::vector<at::Tensor> list = getRank() == root ? inputs[0] : std::vector<at::Tensor>{};
   return on_engine(
       "scatter", opts, outputs,
-      {rooted_step(outputs[0], list, root, false, "torch.distributed.scatter", getSize())});
+      {rooted_task(outputs[0], list, root, false, "torch.distributed.scatter", getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -295,7 +295,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
   }
   return on_engine(
       "all_to_all_single", opts, {output},
-      {all_to_all_single_step(output, input, output_splits, input_splits, equal, getSize())});
+      {all_to_all_single_task(output, input, output_splits, input_splits, equal, getSize())});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs,
@@ -316,7 +316,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
     return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
   }
   return on_engine("all_to_all", opts, outputs,
-                   {all_to_all_step(outputs, inputs, !local(), "torch.distributed.all_to_all")});
+                   {all_to_all_task(outputs, inputs, !local(), "torch.distributed.all_to_all")});
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::point_to_point(const char* name,

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "backend_steps.h"
+#include "backend_tasks.h"
 #include "engine.h"
 #include "shm_p2p.h"
 #include "torch_compat.h"
@@ -108,19 +108,19 @@ class Backend final : public c10d::Backend {
   std::map<std::string, RouteCounts> routes() const;
 
  private:
-  // Runs steps in order on the engine's thread (on this one once the engine is idle, for a
+  // Runs tasks in order on the engine's thread (on this one once the engine is idle, for a
   // caller that waits at once: !async); the work completes with outputs after the last.
   c10::intrusive_ptr<c10d::Work> on_engine(const char* name, bool async,
                                            std::chrono::milliseconds timeout,
                                            std::vector<at::Tensor> outputs,
-                                           std::vector<Step> steps);
+                                           std::vector<Task> tasks);
   // The same, with the call's options: their asyncOp, and their timeout (kUnsetTimeout: the
-  // group's) for every wait of the steps.
+  // group's) for every wait of the tasks.
   template <class Options>
   c10::intrusive_ptr<c10d::Work> on_engine(const char* name, const Options& opts,
                                            std::vector<at::Tensor> outputs,
-                                           std::vector<Step> steps) {
-    return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(steps));
+                                           std::vector<Task> tasks) {
+    return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(tasks));
   }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
   // A send or receive: on the rings for a group on one node, else on gloo.

@@ -24,8 +24,8 @@ namespace py = pybind11;
 namespace ddpx {
 namespace {
 
-// engine.steps' names, in ScheduleChoice::Policy's order.
-constexpr const char* kStepsNames[] = {"timed", "narrow", "wide", "shared", "auto"};
+// engine.schedule's names, in ScheduleChoice::Policy's order.
+constexpr const char* kPolicyNames[] = {"timed", "narrow", "wide", "shared", "auto"};
 
 DType kernel_dtype(const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "ddpx kernels take contiguous CPU tensors");
@@ -105,16 +105,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "one_shot_bytes", [](ShmEngine& e) { return e.comm().schedule().one_shot_bytes(); },
           [](ShmEngine& e, size_t bytes) { e.comm().schedule().set_one_shot_bytes(bytes); })
       .def_property(
-          "steps",
-          [](ShmEngine& e) { return std::string(kStepsNames[int(e.comm().schedule().policy())]); },
-          [](ShmEngine& e, const std::string& steps) {
-            const auto* const end = std::end(kStepsNames);
-            const auto* const found = std::find(std::begin(kStepsNames), end, steps);
-            TORCH_CHECK_VALUE(found != end,
-                              "ddpx: steps must be 'auto', 'shared', 'narrow', 'wide' or 'timed', "
-                              "got '",
-                              steps, "'");
-            e.comm().schedule().set_policy(ScheduleChoice::Policy(found - std::begin(kStepsNames)));
+          "schedule",
+          [](ShmEngine& e) { return std::string(kPolicyNames[int(e.comm().schedule().policy())]); },
+          [](ShmEngine& e, const std::string& policy) {
+            const auto* const end = std::end(kPolicyNames);
+            const auto* const found = std::find(std::begin(kPolicyNames), end, policy);
+            TORCH_CHECK_VALUE(
+                found != end,
+                "ddpx: schedule must be 'auto', 'shared', 'narrow', 'wide' or 'timed', "
+                "got '",
+                policy, "'");
+            e.comm().schedule().set_policy(
+                ScheduleChoice::Policy(found - std::begin(kPolicyNames)));
           })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
         const ShmChannel::WaitStats w = e.wait_stats();
@@ -211,12 +213,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("kernel_isa", [] { return std::string(kernels().isa); });
   m.def(
-      "kernel_pack",
+      "kernel_convert",
       [](at::Tensor dst, const at::Tensor& src, double scale, const std::string& isa, bool stream) {
-        TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_pack needs equal sizes");
-        kernels_named(isa).pack(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(),
-                                kernel_dtype(src), src.numel(), scale,
-                                stream ? Store::Streaming : Store::Cached);
+        TORCH_CHECK(dst.numel() == src.numel(), "ddpx: kernel_convert needs equal sizes");
+        kernels_named(isa).convert(dst.data_ptr(), kernel_dtype(dst), src.data_ptr(),
+                                   kernel_dtype(src), src.numel(), scale,
+                                   stream ? Write::Streaming : Write::Cached);
       },
       py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("isa"), py::arg("stream") = false);
   m.def(
@@ -225,7 +227,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
                     "ddpx: kernel_copy needs contiguous tensors of equal bytes");
         kernels_named(isa).copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
-                                stream ? Store::Streaming : Store::Cached);
+                                stream ? Write::Streaming : Write::Cached);
       },
       py::arg("dst"), py::arg("src"), py::arg("isa"), py::arg("stream") = false);
   m.def(
@@ -243,7 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         kernels_named(isa).reduce(dst.data_ptr(), kernel_dtype(dst), ptrs.data(), int(ptrs.size()),
                                   kernel_dtype(srcs[0]), dst.numel(), scale,
-                                  stream ? Store::Streaming : Store::Cached);
+                                  stream ? Write::Streaming : Write::Cached);
       },
       py::arg("dst"), py::arg("srcs"), py::arg("isa"), py::arg("stream") = false,
       py::arg("scale") = 1.0);

@@ -18,17 +18,17 @@ void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* d
   const size_t block = channel.layout().block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
   const Kernels& k = kernels();
-  const Store store = bytes >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write write = bytes >= kStreamBytes ? Write::Streaming : Write::Cached;
   char* bytes_at = static_cast<char*>(data);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
     const uint64_t step = comm.exchange(
         mine, first && b == 0,
         [&](char* slot) {
-          if (me == root) k.copy(slot, bytes_at + lo, count, Store::Cached);
+          if (me == root) k.copy(slot, bytes_at + lo, count, Write::Cached);
         },
         what);
-    if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, store);
+    if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, write);
   }
 }
 

@@ -110,7 +110,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     const int64_t bytes = (nodes_ == 2 ? n : nodes_ * chunk->piece) * wire_size;
     chunk->dealt = at::empty({bytes}, at::kByte);
     char* out = static_cast<char*>(chunk->dealt.data_ptr());
-    kernels().pack(out, wire, chunk->data.get(), acc, n, 1.0, Store::Cached);
+    kernels().convert(out, wire, chunk->data.get(), acc, n, 1.0, Write::Cached);
     std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     if (nodes_ == 2) {
       chunk->received = at::empty({2 * bytes}, at::kByte);
@@ -204,13 +204,13 @@ class ProcessGroupCrossNode final : public CrossNode {
       const char* received = static_cast<const char*>(chunk->received.data_ptr());
       const void* both[2] = {received, received + chunk->n * wire_size};
       kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n, 1.0,
-                       Store::Cached);
+                       Write::Cached);
     } else {
       chunk->gathering.get();  // the link thread's failure, if it had one
       link_->watch->await(*chunk->work);
     }
-    kernels().pack(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
-                   1.0, Store::Cached);
+    kernels().convert(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
+                      1.0, Write::Cached);
     count(nodes_ == 2 ? chunk->n * wire_size : 2 * (nodes_ - 1) * chunk->piece * wire_size);
   }
 
@@ -267,7 +267,7 @@ class ProcessGroupCrossNode final : public CrossNode {
           pieces[i] = static_cast<const char*>(c->received.data_ptr()) + i * c->piece * wire_size;
         }
         kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece, 1.0,
-                         Store::Cached);
+                         Write::Cached);
         c->work = ddpx::all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
         c->gathering_started.set_value();
       } catch (const std::exception& e) {

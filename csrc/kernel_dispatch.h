@@ -9,7 +9,7 @@
 
 namespace ddpx {
 
-inline void pack_float64(double* dst, const double* src, int64_t n, double scale) {
+inline void convert_float64(double* dst, const double* src, int64_t n, double scale) {
   if (scale == 1.0) {
     if (dst != src) std::memmove(dst, src, size_t(n) * sizeof(double));
     return;
@@ -48,11 +48,11 @@ void dispatch_float_pair(DType dst_t, DType src_t, Fn&& fn) {
 }
 
 template <class Loops>
-void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double scale,
-                   Store store) {
+void convert_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double scale,
+                      Write write) {
   require_float64_pair(dst_t, src_t);
   if (dst_t == DType::Float64) {
-    pack_float64(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
+    convert_float64(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
     return;
   }
   if (dst_t == src_t && scale == 1.0) {
@@ -62,14 +62,14 @@ void pack_dispatch(void* dst, DType dst_t, const void* src, DType src_t, int64_t
   dispatch_float_pair(dst_t, src_t, [&](auto* d, auto* s) {
     using D = std::remove_pointer_t<decltype(d)>;
     using S = std::remove_pointer_t<decltype(s)>;
-    Loops::template pack<D, S>(static_cast<D*>(dst), static_cast<const S*>(src), n, float(scale),
-                               store);
+    Loops::template convert<D, S>(static_cast<D*>(dst), static_cast<const S*>(src), n, float(scale),
+                                  write);
   });
 }
 
 template <class Loops>
 void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                     int64_t n, double scale, Store store) {
+                     int64_t n, double scale, Write write) {
   require_float64_pair(dst_t, src_t);
   if (dst_t == DType::Float64) {
     reduce_float64(static_cast<double*>(dst), reinterpret_cast<const double* const*>(srcs), nsrc, n,
@@ -80,21 +80,21 @@ void reduce_dispatch(void* dst, DType dst_t, const void* const* srcs, int nsrc, 
     using D = std::remove_pointer_t<decltype(d)>;
     using S = std::remove_pointer_t<decltype(s)>;
     Loops::template reduce<D, S>(static_cast<D*>(dst), reinterpret_cast<const S* const*>(srcs),
-                                 nsrc, n, float(scale), store);
+                                 nsrc, n, float(scale), write);
   });
 }
 
 // The scalar loops: the whole job for the portable kernels, the heads and tails for the vector
-// ones. They always store through the cache.
+// ones. They always write through the cache.
 struct ScalarLoops {
   template <class D, class S>
-  static void pack(D* dst, const S* src, int64_t n, float scale, Store = Store::Cached) {
+  static void convert(D* dst, const S* src, int64_t n, float scale, Write = Write::Cached) {
     for (int64_t i = 0; i < n; ++i) dst[i] = from_float<D>(to_float(src[i]) * scale);
   }
 
   template <class D, class S>
   static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, float scale,
-                     Store = Store::Cached) {
+                     Write = Write::Cached) {
     constexpr int64_t kTile = 256;  // accumulators stay in registers/L1 across the nsrc passes
     float acc[kTile];
     for (int64_t base = 0; base < n; base += kTile) {

@@ -25,9 +25,9 @@ const char* dtype_name(DType t) {
 }
 
 namespace {
-void plain_copy(void* dst, const void* src, size_t bytes, Store) { std::memcpy(dst, src, bytes); }
+void plain_copy(void* dst, const void* src, size_t bytes, Write) { std::memcpy(dst, src, bytes); }
 
-const Kernels kPortable{"portable", &pack_dispatch<ScalarLoops>, &reduce_dispatch<ScalarLoops>,
+const Kernels kPortable{"portable", &convert_dispatch<ScalarLoops>, &reduce_dispatch<ScalarLoops>,
                         &plain_copy};
 }  // namespace
 

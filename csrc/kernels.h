@@ -16,26 +16,26 @@ const char* dtype_name(DType t);
 
 // How a kernel writes dst: Streaming bypasses the caches (non-temporal stores), for outputs too
 // large to stay cached, where it saves reading every line before overwriting it.
-enum class Store { Cached, Streaming };
+enum class Write { Cached, Streaming };
 
 // dst[i] = DstT(float(src[i]) * scale), rounding to nearest even once. Float64 data is only ever
 // paired with Float64 and scaled in double.
-using PackFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, int64_t n,
-                        double scale, Store store);
+using ConvertFn = void (*)(void* dst, DType dst_t, const void* src, DType src_t, int64_t n,
+                           double scale, Write write);
 
 // dst[i] = DstT((srcs[0][i] + srcs[1][i] + ... + srcs[nsrc-1][i]) * scale), summed left to right
-// in float (double for Float64) and scaled as pack scales, rounding once, so every caller that
+// in float (double for Float64) and scaled as convert scales, rounding once, so every caller that
 // passes the same sources in the same order gets the same bits whatever the instruction set, and
-// the same as a sum packed into dst with the scale. dst may alias srcs[k] element for element.
+// the same as a sum converted into dst with the scale. dst may alias srcs[k] element for element.
 using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int nsrc, DType src_t,
-                          int64_t n, double scale, Store store);
+                          int64_t n, double scale, Write write);
 
 // dst[0..bytes) = src[0..bytes), any bits; dst and src do not overlap.
-using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Store store);
+using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Write write);
 
 struct Kernels {
   const char* isa;
-  PackFn pack;
+  ConvertFn convert;
   ReduceFn reduce;
   CopyFn copy;
 };

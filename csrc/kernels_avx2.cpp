@@ -45,7 +45,7 @@ DDPX_AVX2 inline __m128i bfloat16x8(__m256 v) {
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8));
 }
 
-// Sixteen at once: one pack and one lane permute per 32-byte store instead of two per 16 bytes.
+// Sixteen at once: one pack and one lane permute per 32-byte write instead of two per 16 bytes.
 DDPX_AVX2 inline __m256i bfloat16x16(__m256 lo, __m256 hi) {
   return _mm256_permute4x64_epi64(_mm256_packus_epi32(bfloat16_lanes(lo), bfloat16_lanes(hi)),
                                   0xd8);
@@ -91,20 +91,20 @@ int64_t head_to_align(const D* dst, int64_t n) {
 
 struct Avx2Loops {
   template <class D, class S>
-  static void pack(D* dst, const S* src, int64_t n, float scale, Store store) {
-    if (store == Store::Streaming) {
+  static void convert(D* dst, const S* src, int64_t n, float scale, Write write) {
+    if (write == Write::Streaming) {
       const int64_t head = head_to_align(dst, n);
-      ScalarLoops::pack(dst, src, head, scale);
-      pack_body<true>(dst + head, src + head, n - head, scale);
+      ScalarLoops::convert(dst, src, head, scale);
+      convert_body<true>(dst + head, src + head, n - head, scale);
       _mm_sfence();
     } else {
-      pack_body<false>(dst, src, n, scale);
+      convert_body<false>(dst, src, n, scale);
     }
   }
 
   template <class D, class S>
-  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, float scale, Store store) {
-    if (store == Store::Streaming) {
+  static void reduce(D* dst, const S* const* srcs, int nsrc, int64_t n, float scale, Write write) {
+    if (write == Write::Streaming) {
       const int64_t head = head_to_align(dst, n);
       ScalarLoops::reduce(dst, srcs, nsrc, head, scale);
       const S* rest[kMaxSources];
@@ -117,16 +117,16 @@ struct Avx2Loops {
   }
 
   template <bool Stream, class D, class S>
-  DDPX_AVX2 static void pack_body(D* dst, const S* src, int64_t n, float scale) {
+  DDPX_AVX2 static void convert_body(D* dst, const S* src, int64_t n, float scale) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) store8<Stream>(dst + i, _mm256_mul_ps(load8(src + i), s));
-    ScalarLoops::pack(dst + i, src + i, n - i, scale);
+    ScalarLoops::convert(dst + i, src + i, n - i, scale);
   }
 
   // The cast to bfloat16 is the costly one (no instruction for it), so it goes 16 at a time.
   template <bool Stream, class S>
-  DDPX_AVX2 static void pack_body(BFloat16* dst, const S* src, int64_t n, float scale) {
+  DDPX_AVX2 static void convert_body(BFloat16* dst, const S* src, int64_t n, float scale) {
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -139,7 +139,7 @@ struct Avx2Loops {
         _mm256_storeu_si256(out, bits);
       }
     }
-    ScalarLoops::pack(dst + i, src + i, n - i, scale);
+    ScalarLoops::convert(dst + i, src + i, n - i, scale);
   }
 
   template <bool Stream, class D, class S>
@@ -174,10 +174,10 @@ struct Avx2Loops {
   }
 };
 
-DDPX_AVX2 void copy_bytes(void* dst, const void* src, size_t bytes, Store store) {
+DDPX_AVX2 void copy_bytes(void* dst, const void* src, size_t bytes, Write write) {
   const size_t misalign = reinterpret_cast<uintptr_t>(dst) % 32;
   const size_t head = std::min(bytes, misalign == 0 ? 0 : 32 - misalign);
-  if (store == Store::Cached || bytes - head < 256) {
+  if (write == Write::Cached || bytes - head < 256) {
     std::memcpy(dst, src, bytes);
     return;
   }
@@ -193,7 +193,7 @@ DDPX_AVX2 void copy_bytes(void* dst, const void* src, size_t bytes, Store store)
   _mm_sfence();
 }
 
-const Kernels kAvx2{"avx2", &pack_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>, &copy_bytes};
+const Kernels kAvx2{"avx2", &convert_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>, &copy_bytes};
 
 }  // namespace
 

@@ -30,7 +30,7 @@ void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
       int64_t(channel.layout().block_bytes / (wire_size * size_t(n))) / line * line;
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
   const size_t out_size = dtype_size(out_dtype);
-  const Store store = size_t(count) * out_size >= kStreamBytes ? Store::Streaming : Store::Cached;
+  const Write write = size_t(count) * out_size >= kStreamBytes ? Write::Streaming : Write::Cached;
   char* dst = static_cast<char*>(out);
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
@@ -40,9 +40,9 @@ void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
         [&](char* slot) {
           if (todo <= 0) return;
           for (int r = 0; r < n; ++r) {
-            k.pack(slot + size_t(r * part) * wire_size, wire,
-                   static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo, input_scale,
-                   Store::Cached);
+            k.convert(slot + size_t(r * part) * wire_size, wire,
+                      static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo,
+                      input_scale, Write::Cached);
           }
         },
         what);
@@ -50,7 +50,7 @@ void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
     for (int r = 0; r < n; ++r) {
       srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
     }
-    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, store);
+    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
   }
 }
 
@@ -103,7 +103,7 @@ void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* o
           (node == here ? sums : received) + at + size_t(node) * size_t(n) * acc_size;
     }
     kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
-                     rule.sum_scale, Store::Cached);
+                     rule.sum_scale, Write::Cached);
   }
 }
 

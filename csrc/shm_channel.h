@@ -59,7 +59,7 @@ struct CallMeta {
   // The tensors' c10::ScalarType, for the collectives that move bytes of typed tensors (the
   // ranks' dtypes must match as their sizes do); -1 otherwise.
   int32_t torch_dtype = -1;
-  // Local rank 0's only: 1 when the all-reduces after this one go shared (shm_allreduce.h).
+  // Local rank 0's only: 1 when the all-reduces after this one go shared (schedule.h).
   uint32_t shared = 0;
   // Where this rank's tensor lies in its process, for an all-reduce the ranks share.
   uint64_t address = 0;
@@ -123,7 +123,7 @@ class ShmChannel {
   // Bounds the waits of the calls made until it is reset (zero: the channel's own timeout).
   void set_call_timeout(std::chrono::milliseconds timeout) { call_timeout_ = timeout; }
 
-  // Shared all-reduces (shm_allreduce.cpp): any rank of the node may sum a block for all of them,
+  // Shared all-reduces (allreduce.cpp): any rank of the node may sum a block for all of them,
   // reading and writing the others' tensors where they lie (process_vm_readv, process_vm_writev),
   // so a rank whose peers are off their CPUs does their part instead of waiting for them. Blocks
   // are numbered across calls, so no counter is ever reset: a call's are [first, end).

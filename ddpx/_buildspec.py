@@ -33,7 +33,7 @@ CPP_SOURCES = (
     "engine.cpp",
     "reduce_ops.cpp",
     "backend_work.cpp",
-    "backend_steps.cpp",
+    "backend_tasks.cpp",
     "backend.cpp",
     "ops.cpp",
     "bindings.cpp",

@@ -43,7 +43,7 @@ logger = logging.getLogger("ddpx")
 _SHM_DIR = "/dev/shm"
 _SEGMENT_PREFIX = "ddpx-"
 # A step's slots stay in the last-level cache (docs/design.md, "Where the defaults come from");
-# wide blocks are there for engine.steps "wide" and "timed".
+# wide blocks are there for engine.schedule "wide" and "timed".
 _BLOCK_KB = settings.positive_int("DDPX_BLOCK_KB")
 _WIDE_KB = settings.positive_int("DDPX_WIDE_KB")
 # Up to which size every rank sums whole blocks after one exchange (one-shot) instead of a slice

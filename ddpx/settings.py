@@ -22,7 +22,7 @@ class Setting:
 SETTINGS = (
     Setting("DDPX_BLOCK_KB", "256", "one rank's block of a step in shared memory"),
     Setting("DDPX_WIDE_KB", "4096",
-            "a wide block (`engine.steps = \"wide\"` or `\"timed\"`, docs/under-load.md)"),
+            "a wide block (`engine.schedule = \"wide\"` or `\"timed\"`, docs/under-load.md)"),
     Setting("DDPX_ONE_SHOT_KB", "32",
             "messages up to this size are summed whole by every rank, larger ones a slice each"),
     Setting("DDPX_CROSS_CHUNK_KB", "4096",

@@ -103,10 +103,10 @@ _NO_ONE_SHOT = "across nodes every message is split: there is no one-shot"
 _NARROW_ACROSS = "across nodes every step is narrow"
 SCHEDULES = {
     "ddpx-oneshot": ({"one_shot_bytes": 4096 * 1024}, _NO_ONE_SHOT),
-    "ddpx-wide": ({"steps": "wide"}, _NARROW_ACROSS),
-    "ddpx-timed": ({"steps": "timed", "one_shot_bytes": 4096 * 1024}, _NARROW_ACROSS),
-    "ddpx-narrow": ({"steps": "narrow"}, _NARROW_ACROSS),
-    "ddpx-shared": ({"steps": "shared"}, _NARROW_ACROSS),
+    "ddpx-wide": ({"schedule": "wide"}, _NARROW_ACROSS),
+    "ddpx-timed": ({"schedule": "timed", "one_shot_bytes": 4096 * 1024}, _NARROW_ACROSS),
+    "ddpx-narrow": ({"schedule": "narrow"}, _NARROW_ACROSS),
+    "ddpx-shared": ({"schedule": "shared"}, _NARROW_ACROSS),
 }
 ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'

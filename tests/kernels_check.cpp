@@ -22,7 +22,7 @@
 
 using ddpx::DType;
 using ddpx::Kernels;
-using ddpx::Store;
+using ddpx::Write;
 
 namespace {
 
@@ -98,7 +98,7 @@ void put(DType t, void* p, int64_t i, double x) {
 
 // The contract: the source widened to float and multiplied by float(scale) (both in double for
 // Float64), then rounded once to the destination type.
-void reference_pack(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double s) {
+void reference_convert(void* dst, DType dst_t, const void* src, DType src_t, int64_t n, double s) {
   for (int64_t i = 0; i < n; ++i) {
     const double x = get(src_t, src, i);
     put(dst_t, dst, i, dst_t == DType::Float64 ? x * s : float(x) * float(s));
@@ -106,7 +106,7 @@ void reference_pack(void* dst, DType dst_t, const void* src, DType src_t, int64_
 }
 
 // The contract: the sources summed in rank order, in float (double for Float64), scaled as
-// reference_pack scales, rounded once.
+// reference_convert scales, rounded once.
 void reference_reduce(void* dst, DType dst_t, const std::vector<const void*>& srcs, DType src_t,
                       int64_t n, double s) {
   for (int64_t i = 0; i < n; ++i) {
@@ -218,14 +218,14 @@ void compare(Tally& t, const std::string& what, DType dt, const Buffer& got, con
 }
 
 const DType kNarrow[] = {DType::Float32, DType::BFloat16, DType::Float16};
-const Store kStores[] = {Store::Cached, Store::Streaming};
+const Write kWrites[] = {Write::Cached, Write::Streaming};
 const int64_t kSizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 65, 255, 256, 257, 4099};
 const size_t kOffsets[] = {0, 1, 5};  // elements past a 64-byte boundary
 
-std::string describe(const char* op, DType dt, DType st, int64_t n, Store store, size_t off,
+std::string describe(const char* op, DType dt, DType st, int64_t n, Write write, size_t off,
                      const std::string& more = "") {
   return std::string(op) + " " + ddpx::dtype_name(st) + "->" + ddpx::dtype_name(dt) +
-         " n=" + std::to_string(n) + (store == Store::Streaming ? " streaming" : " cached") +
+         " n=" + std::to_string(n) + (write == Write::Streaming ? " streaming" : " cached") +
          " offset=" + std::to_string(off) + more;
 }
 
@@ -237,23 +237,23 @@ void check_casts(const Kernels& k) {
   std::mt19937_64 rng(1);
   std::vector<unsigned char> patterns(1 << 18 << 2);
   for (auto& b : patterns) b = static_cast<unsigned char>(rng());
-  for (Store store : kStores) {
+  for (Write write : kWrites) {
     for (DType half : {DType::BFloat16, DType::Float16}) {
       std::vector<uint16_t> all(1 << 16);
       std::iota(all.begin(), all.end(), uint16_t(0));
       Buffer wide(all.size() * 4, 0);
       std::vector<unsigned char> want(wide.bytes);
-      k.pack(wide.p, DType::Float32, all.data(), half, int64_t(all.size()), 1.0, store);
-      reference_pack(want.data(), DType::Float32, all.data(), half, int64_t(all.size()), 1.0);
-      compare(t, describe("widen", DType::Float32, half, 1 << 16, store, 0), DType::Float32, wide,
+      k.convert(wide.p, DType::Float32, all.data(), half, int64_t(all.size()), 1.0, write);
+      reference_convert(want.data(), DType::Float32, all.data(), half, int64_t(all.size()), 1.0);
+      compare(t, describe("widen", DType::Float32, half, 1 << 16, write, 0), DType::Float32, wide,
               want.data(), int64_t(all.size()));
 
       const int64_t n = int64_t(patterns.size() / 4);
       Buffer narrow(n * 2, 0);
       want.assign(n * 2, 0);
-      k.pack(narrow.p, half, patterns.data(), DType::Float32, n, 1.0, store);
-      reference_pack(want.data(), half, patterns.data(), DType::Float32, n, 1.0);
-      compare(t, describe("narrow", half, DType::Float32, n, store, 0), half, narrow, want.data(),
+      k.convert(narrow.p, half, patterns.data(), DType::Float32, n, 1.0, write);
+      reference_convert(want.data(), half, patterns.data(), DType::Float32, n, 1.0);
+      compare(t, describe("narrow", half, DType::Float32, n, write, 0), half, narrow, want.data(),
               n);
     }
   }
@@ -268,27 +268,27 @@ std::vector<std::pair<DType, DType>> type_pairs() {
   return pairs;
 }
 
-void check_pack(const Kernels& k) {
-  Tally& t = check(std::string(k.isa) + " pack (scale and cast)");
+void check_convert(const Kernels& k) {
+  Tally& t = check(std::string(k.isa) + " convert (scale and cast)");
   std::mt19937_64 rng(2);
   for (auto [dt, st] : type_pairs()) {
     for (double scale : {1.0, 0.25, 1.0 / 3}) {
-      for (Store store : kStores) {
+      for (Write write : kWrites) {
         for (int64_t n : kSizes) {
           for (size_t off : kOffsets) {
             const auto src = values(st, n + 3, rng);  // from element 3: an unaligned source
             const void* s = src.data() + 3 * size_of(st);
             std::vector<unsigned char> want(n * size_of(dt));
-            reference_pack(want.data(), dt, s, st, n, scale);
+            reference_convert(want.data(), dt, s, st, n, scale);
             Buffer dst(want.size(), off * size_of(dt));
-            k.pack(dst.p, dt, s, st, n, scale, store);
-            compare(t, describe("pack", dt, st, n, store, off), dt, dst, want.data(), n);
+            k.convert(dst.p, dt, s, st, n, scale, write);
+            compare(t, describe("convert", dt, st, n, write, off), dt, dst, want.data(), n);
             if (dt != st) continue;
             Buffer in_place(want.size(), off * size_of(dt));  // dst == src
             if (n > 0) std::memcpy(in_place.p, s, want.size());
-            k.pack(in_place.p, dt, in_place.p, st, n, scale, store);
-            compare(t, describe("pack in place", dt, st, n, store, off), dt, in_place, want.data(),
-                    n);
+            k.convert(in_place.p, dt, in_place.p, st, n, scale, write);
+            compare(t, describe("convert in place", dt, st, n, write, off), dt, in_place,
+                    want.data(), n);
           }
         }
       }
@@ -303,7 +303,7 @@ void check_reduce(const Kernels& k) {
     for (int nsrc : {1, 2, 3, 4, 8}) {
       // Unscaled, and an average's scale, which no float holds exactly.
       const double scale = nsrc == 3 ? 1.0 / 3 : 1.0;
-      for (Store store : kStores) {
+      for (Write write : kWrites) {
         for (int64_t n : kSizes) {
           for (size_t off : kOffsets) {
             // Source r starts r elements in, so each has its own alignment; few raw bit
@@ -318,9 +318,9 @@ void check_reduce(const Kernels& k) {
                 " nsrc=" + std::to_string(nsrc) + " scale=" + std::to_string(scale);
             Buffer dst(n * size_of(dt), off * size_of(dt));
             std::vector<unsigned char> want(dst.bytes);
-            k.reduce(dst.p, dt, srcs.data(), nsrc, st, n, scale, store);
+            k.reduce(dst.p, dt, srcs.data(), nsrc, st, n, scale, write);
             reference_reduce(want.data(), dt, srcs, st, n, scale);
-            compare(t, describe("reduce", dt, st, n, store, off, sources), dt, dst, want.data(), n);
+            compare(t, describe("reduce", dt, st, n, write, off, sources), dt, dst, want.data(), n);
 
             // dst aliasing a source, element for element: the first, and the last.
             if (dt != st || nsrc < 2) continue;
@@ -329,9 +329,9 @@ void check_reduce(const Kernels& k) {
               if (n > 0) std::memcpy(into.p, srcs[alias], into.bytes);
               std::vector<const void*> with_alias = srcs;
               with_alias[alias] = into.p;
-              k.reduce(into.p, dt, with_alias.data(), nsrc, st, n, scale, store);
+              k.reduce(into.p, dt, with_alias.data(), nsrc, st, n, scale, write);
               const std::string which = sources + " into source " + std::to_string(alias);
-              compare(t, describe("reduce", dt, st, n, store, off, which), dt, into, want.data(),
+              compare(t, describe("reduce", dt, st, n, write, off, which), dt, into, want.data(),
                       n);
             }
           }
@@ -348,16 +348,16 @@ void check_copy(const Kernels& k) {
   std::mt19937_64 rng(4);
   std::vector<unsigned char> bytes(65541 + 64);
   for (auto& b : bytes) b = static_cast<unsigned char>(rng());
-  for (Store store : kStores) {
+  for (Write write : kWrites) {
     for (size_t n : {0, 1, 31, 32, 33, 255, 256, 257, 4109, 65541}) {
       for (size_t off = 0; off < 64; ++off) {
         const unsigned char* src = bytes.data() + (off * 37 + 11) % 64;
         Buffer dst(n, off);
-        k.copy(dst.p, src, n, store);
+        k.copy(dst.p, src, n, write);
         const bool ok = (n == 0 || std::memcmp(dst.p, src, n) == 0) && dst.guards_intact();
         record(t, ok,
                "copy n=" + std::to_string(n) + " dst offset=" + std::to_string(off) +
-                   (store == Store::Streaming ? " streaming" : " cached"));
+                   (write == Write::Streaming ? " streaming" : " cached"));
       }
     }
   }
@@ -387,7 +387,7 @@ int main() {
   record(api, widest, "kernels() is not the widest implementation available");
   for (const Kernels* k : impls) {
     check_casts(*k);
-    check_pack(*k);
+    check_convert(*k);
     check_reduce(*k);
     check_copy(*k);
   }

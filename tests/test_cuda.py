@@ -108,7 +108,7 @@ def _scale_cast(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     if dst.is_cuda:
         C.cuda_scale_cast(dst, src, scale)
     else:
-        C.kernel_pack(dst, src, scale, C.kernel_isa())
+        C.kernel_convert(dst, src, scale, C.kernel_isa())
 
 
 def _sum_slices(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -271,17 +271,17 @@ def schedules(rank, world):
     from ddpx.engine import engine_for
 
     engine = engine_for(None)
-    assert engine.one_shot_bytes == 32 * 1024 and engine.steps == "auto"
+    assert engine.one_shot_bytes == 32 * 1024 and engine.schedule == "auto"
     fixed = {"one-shot": ("narrow", 4096), "narrow": ("narrow", 32), "wide": ("wide", 32),
              "shared": ("shared", 32)}
     results = {}
     for name, (steps, one_shot_kb) in fixed.items():
-        engine.steps, engine.one_shot_bytes = steps, one_shot_kb * 1024
+        engine.schedule, engine.one_shot_bytes = steps, one_shot_kb * 1024
         for n in (8191, 262147, 1_000_003):
             out = rank_input(rank, n, torch.float32)
             ddpx.all_reduce(out)
             results[(name, n)] = fingerprint(out)
-    engine.steps, engine.one_shot_bytes = "timed", 4096 * 1024
+    engine.schedule, engine.one_shot_bytes = "timed", 4096 * 1024
     # Enough calls of each size for local rank 0 to try all three schedules twice, then retry.
     for call in range(24):
         for n in (8191, 262147, 1_000_003):
@@ -314,10 +314,10 @@ def steps_battery(rank, world):
 
     engine = engine_for()
     with pytest.raises(ValueError, match="'narrow', 'wide' or 'timed', got 'fast'"):
-        engine.steps = "fast"
+        engine.schedule = "fast"
     prints, described = {}, {}
     for steps in ("narrow", "wide", "timed", "shared"):
-        engine.steps = steps
+        engine.schedule = steps
         for dtype, compression in ((torch.float32, None), (torch.bfloat16, None),
                                    (torch.float32, "bf16"), (torch.float64, None)):
             for n in (16385, 65537, 200_003, 1_000_003):

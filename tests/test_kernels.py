@@ -15,7 +15,7 @@ def _available_isas() -> list[str]:
     found = []
     for isa in ("portable", "avx2"):
         try:
-            C.kernel_pack(torch.zeros(1), torch.zeros(1), 1.0, isa)
+            C.kernel_convert(torch.zeros(1), torch.zeros(1), 1.0, isa)
             found.append(isa)
         except RuntimeError:
             pass
@@ -73,11 +73,11 @@ def output(n: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
 @pytest.mark.parametrize("dst_dtype", HALF_AND_FLOAT)
 @pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
 @pytest.mark.parametrize("stream", [False, True])
-def test_pack_rounds_like_torch(isa, src_dtype, dst_dtype, scale, stream):
+def test_convert_rounds_like_torch(isa, src_dtype, dst_dtype, scale, stream):
     for n in SIZES:
         src = special_values(n).to(src_dtype)
         dst = output(n, dst_dtype, offset=n % 5)
-        C.kernel_pack(dst, src, scale, isa, stream)
+        C.kernel_convert(dst, src, scale, isa, stream)
         assert_same_bits(dst, (src.float() * scale).to(dst_dtype))
 
 
@@ -88,7 +88,7 @@ def test_float_to_half_on_many_bit_patterns(isa, dtype):
                              generator=torch.Generator().manual_seed(0)).to(torch.int32)
     src = patterns.view(torch.float32)
     dst = torch.empty(src.numel(), dtype=dtype)
-    C.kernel_pack(dst, src, 1.0, isa)
+    C.kernel_convert(dst, src, 1.0, isa)
     assert_same_bits(dst, src.to(dtype))
 
 
@@ -97,7 +97,7 @@ def test_float_to_half_on_many_bit_patterns(isa, dtype):
 def test_every_half_widens_exactly(isa, dtype):
     src = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     dst = torch.empty(src.numel(), dtype=torch.float32)
-    C.kernel_pack(dst, src, 1.0, isa)
+    C.kernel_convert(dst, src, 1.0, isa)
     assert_same_bits(dst, src.float())
 
 
@@ -127,7 +127,7 @@ def test_float64_sums_in_float64(isa):
     dst = torch.empty(1001, dtype=torch.float64)
     C.kernel_reduce(dst, srcs, isa)
     assert_same_bits(dst, srcs[0] + srcs[1] + srcs[2])
-    C.kernel_pack(dst, srcs[0], 1 / 3, isa)
+    C.kernel_convert(dst, srcs[0], 1 / 3, isa)
     assert_same_bits(dst, srcs[0] * (1 / 3))
 
 
@@ -140,7 +140,7 @@ def test_reduce_in_place_on_first_source():
 
 def test_float64_cannot_mix_with_other_dtypes():
     with pytest.raises(ValueError, match="float64"):
-        C.kernel_pack(torch.empty(4), torch.empty(4, dtype=torch.float64), 1.0, "portable")
+        C.kernel_convert(torch.empty(4), torch.empty(4, dtype=torch.float64), 1.0, "portable")
 
 
 @pytest.mark.parametrize("isa", ISAS)

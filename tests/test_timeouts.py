@@ -75,7 +75,7 @@ import ddpx
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=timedelta(seconds={TIMEOUT_S}))
-ddpx.engine.engine_for().steps = "shared"
+ddpx.engine.engine_for().schedule = "shared"
 big = torch.ones(64 << 20 >> 2)
 for call in range(100000):
     if call == 3:

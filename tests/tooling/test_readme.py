@@ -58,7 +58,7 @@ IN_JOBS = {
     "ddpx.all_reduce(tensor, group=None, average=False, compression=None)": None,
     "ddpx.backend_of(group=None)": None,
     "ddpx.build_info()": None,
-    "ddpx.engine.engine_for(group).steps": None,
+    "ddpx.engine.engine_for(group).schedule": None,
     "describe()": None,
     ".describe()": None,
     ".routes()": None,
@@ -135,7 +135,7 @@ assert tensor.tolist() == [3.0] * 4
 backend = ddpx.backend_of(group=None)
 print(f"PATHS {state.describe()} | {backend.describe()} | {backend.routes()}")
 print(f"BUILD {ddpx.build_info()}")
-print(f"STEPS {ddpx.engine.engine_for(group).steps}")
+print(f"SCHEDULE {ddpx.engine.engine_for(group).schedule}")
 
 args = ddpx.training.make_parser("the README's API").parse_args([])
 accelerator = ddpx.training.make_accelerator(args)
@@ -178,7 +178,7 @@ def test_the_readme_api_lines_run_as_written(tmp_path):
                           timeout=180, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("PATHS ddpx shared-memory engine") == 2, done.stdout
-    assert done.stdout.count("STEPS auto") == 2 and done.stdout.count("ACCELERATE 2") == 2
+    assert done.stdout.count("SCHEDULE auto") == 2 and done.stdout.count("ACCELERATE 2") == 2
 
 
 @pytest.mark.parametrize("command", sorted(RUN_HERE))

@@ -1,4 +1,4 @@
-// The steps of the ddpx backend's collectives: for each torch.distributed call the engine serves,
+// The tasks of the ddpx backend's collectives: for each torch.distributed call the engine serves,
 // a closure that the engine's thread runs with the node's collectives, which checks the call's
 // tensors (raising on every rank where one rank's are wrong), moves them through the engine and
 // writes the results back. The builders take what they need and run no collective themselves.
@@ -16,27 +16,27 @@
 
 namespace ddpx {
 
-using Step = std::function<void(NodeComm&)>;
+using Task = std::function<void(NodeComm&)>;
 
 // all_reduce of tensor with op (also what reduce runs, the non-root ranks passing a copy).
-Step all_reduce_step(const at::Tensor& tensor, const c10d::ReduceOp& op, int world);
-Step broadcast_step(const at::Tensor& tensor, int root);
+Task all_reduce_task(const at::Tensor& tensor, const c10d::ReduceOp& op, int world);
+Task broadcast_task(const at::Tensor& tensor, int root);
 // all_gather: rank r's input lands in outs[r].
-Step all_gather_step(std::vector<at::Tensor> outs, const at::Tensor& input, int world);
-Step all_gather_into_tensor_step(const at::Tensor& output, const at::Tensor& input, int world);
+Task all_gather_task(std::vector<at::Tensor> outs, const at::Tensor& input, int world);
+Task all_gather_into_tensor_task(const at::Tensor& output, const at::Tensor& input, int world);
 // reduce_scatter: output = the reduction over ranks of their ins[this rank].
-Step reduce_scatter_step(const at::Tensor& output, std::vector<at::Tensor> ins,
+Task reduce_scatter_task(const at::Tensor& output, std::vector<at::Tensor> ins,
                          const c10d::ReduceOp& op, int world);
-Step reduce_scatter_tensor_step(const at::Tensor& output, const at::Tensor& input,
+Task reduce_scatter_tensor_task(const at::Tensor& output, const at::Tensor& input,
                                 const c10d::ReduceOp& op, int world);
-Step barrier_step();
+Task barrier_task();
 // all_to_all of the parts: ins[r] goes to rank r, outs[r] comes from it. equal_parts: every
 // rank's parts are all the same size, which the ranks need not trade first.
-Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, bool equal_parts,
+Task all_to_all_task(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, bool equal_parts,
                      std::string what);
 // all_to_all_single: rows of input by input_splits to each rank, rows of output by output_splits
 // from each (equal parts without splits). Raises ValueError here for splits that do not fit.
-Step all_to_all_single_step(const at::Tensor& output, const at::Tensor& input,
+Task all_to_all_single_task(const at::Tensor& output, const at::Tensor& input,
                             const std::vector<int64_t>& output_splits,
                             const std::vector<int64_t>& input_splits, bool equal_parts, int world);
 
@@ -45,7 +45,7 @@ Step all_to_all_single_step(const at::Tensor& output, const at::Tensor& input,
 // (to_root) or comes from it, and the root's list holds every rank's part.
 bool rooted_shape(const std::vector<at::Tensor>& mine,
                   const std::vector<std::vector<at::Tensor>>& lists, int root, int rank, int world);
-Step rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
+Task rooted_task(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
                  bool to_root, std::string what, int world);
 
 }  // namespace ddpx

@@ -1,6 +1,6 @@
-// The steps of the ddpx backend's collectives, and the tensor handling they share
-// (backend_steps.h).
-#include "backend_steps.h"
+// The tasks of the ddpx backend's collectives, and the tensor handling they share
+// (backend_tasks.h).
+#include "backend_tasks.h"
 
 #include <ATen/ATen.h>
 
@@ -157,7 +157,7 @@ void run_reduce_scatter(NodeComm& comm, const at::Tensor& output,
 
 }  // namespace
 
-Step all_reduce_step(const at::Tensor& tensor, const ReduceOp& op, int world) {
+Task all_reduce_task(const at::Tensor& tensor, const ReduceOp& op, int world) {
   const std::string what = "torch.distributed.all_reduce (" + std::string(op_name(op)) + ")";
   const bool sum = kernel_sum(tensor, op);
   const double scale = sum ? sum_scale(op, world) : 1.0;
@@ -174,7 +174,7 @@ Step all_reduce_step(const at::Tensor& tensor, const ReduceOp& op, int world) {
   };
 }
 
-Step broadcast_step(const at::Tensor& tensor, int root) {
+Task broadcast_task(const at::Tensor& tensor, int root) {
   return [tensor, root](NodeComm& comm) {
     at::Tensor data = dense(tensor);
     ddpx::broadcast(comm, data.data_ptr(), size_t(data.numel()) * data.element_size(),
@@ -183,7 +183,7 @@ Step broadcast_step(const at::Tensor& tensor, int root) {
   };
 }
 
-Step all_gather_step(std::vector<at::Tensor> outs, const at::Tensor& input, int world) {
+Task all_gather_task(std::vector<at::Tensor> outs, const at::Tensor& input, int world) {
   return [outs = std::move(outs), input, world](NodeComm& comm) {
     const std::string what = "torch.distributed.all_gather";
     const std::string why = list_error(outs, input, world, what, "outputs");
@@ -201,7 +201,7 @@ Step all_gather_step(std::vector<at::Tensor> outs, const at::Tensor& input, int 
   };
 }
 
-Step all_gather_into_tensor_step(const at::Tensor& output, const at::Tensor& input, int world) {
+Task all_gather_into_tensor_task(const at::Tensor& output, const at::Tensor& input, int world) {
   return [output, input, world](NodeComm& comm) {
     const std::string what = "torch.distributed.all_gather_into_tensor";
     const std::string why = whole_error(output, input, world, what, "output", "input");
@@ -217,7 +217,7 @@ Step all_gather_into_tensor_step(const at::Tensor& output, const at::Tensor& inp
   };
 }
 
-Step reduce_scatter_step(const at::Tensor& output, std::vector<at::Tensor> ins, const ReduceOp& op,
+Task reduce_scatter_task(const at::Tensor& output, std::vector<at::Tensor> ins, const ReduceOp& op,
                          int world) {
   return [output, ins = std::move(ins), op, world](NodeComm& comm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
@@ -227,7 +227,7 @@ Step reduce_scatter_step(const at::Tensor& output, std::vector<at::Tensor> ins, 
   };
 }
 
-Step reduce_scatter_tensor_step(const at::Tensor& output, const at::Tensor& input,
+Task reduce_scatter_tensor_task(const at::Tensor& output, const at::Tensor& input,
                                 const ReduceOp& op, int world) {
   return [output, input, op, world](NodeComm& comm) {
     const std::string what =
@@ -239,11 +239,11 @@ Step reduce_scatter_tensor_step(const at::Tensor& output, const at::Tensor& inpu
   };
 }
 
-Step barrier_step() {
+Task barrier_task() {
   return [](NodeComm& comm) { ddpx::barrier(comm, "torch.distributed.barrier"); };
 }
 
-Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, bool equal_parts,
+Task all_to_all_task(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, bool equal_parts,
                      std::string what) {
   return [outs = std::move(outs), ins = std::move(ins), equal_parts,
           what = std::move(what)](NodeComm& comm) {
@@ -312,13 +312,13 @@ Step all_to_all_step(std::vector<at::Tensor> outs, std::vector<at::Tensor> ins, 
   };
 }
 
-Step all_to_all_single_step(const at::Tensor& output, const at::Tensor& input,
+Task all_to_all_single_task(const at::Tensor& output, const at::Tensor& input,
                             const std::vector<int64_t>& output_splits,
                             const std::vector<int64_t>& input_splits, bool equal_parts, int world) {
   const std::string what = "torch.distributed.all_to_all_single";
   TORCH_CHECK_VALUE(input.is_contiguous() && output.is_contiguous(), "ddpx: ", what,
                     " takes contiguous tensors");
-  return all_to_all_step(split_parts(output, output_splits, world, "output", what),
+  return all_to_all_task(split_parts(output, output_splits, world, "output", what),
                          split_parts(input, input_splits, world, "input", what), equal_parts, what);
 }
 
@@ -330,15 +330,15 @@ bool rooted_shape(const std::vector<at::Tensor>& mine,
   return lists.empty() || lists[0].empty();
 }
 
-Step rooted_step(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
+Task rooted_task(const at::Tensor& mine, const std::vector<at::Tensor>& list, int root,
                  bool to_root, std::string what, int world) {
   // mine goes to or comes from the root only; the root's list has a part for every rank.
   const size_t n = size_t(world);
   std::vector<at::Tensor> with_root(n), with_all = list;
   with_root[size_t(root)] = mine;
   with_all.resize(n);
-  return to_root ? all_to_all_step(with_all, with_root, true, std::move(what))
-                 : all_to_all_step(with_root, with_all, true, std::move(what));
+  return to_root ? all_to_all_task(with_all, with_root, true, std::move(what))
+                 : all_to_all_task(with_root, with_all, true, std::move(what));
 }
 
 }  // namespace ddpx
