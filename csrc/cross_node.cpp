@@ -1,3 +1,5 @@
+// The cross-node link over process groups (cross_node.h): the lanes, the chunks in flight, and the
+// link thread that sums compressed chunks as they arrive.
 #include "cross_node.h"
 
 #include <c10/util/Exception.h>

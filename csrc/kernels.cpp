@@ -1,3 +1,4 @@
+// The portable kernels, and the choice of kernels for this CPU (kernels.h).
 #include "kernels.h"
 
 #include <cstring>

@@ -1,3 +1,4 @@
+// Creating, attaching and unlinking a named shared-memory segment (shm_segment.h).
 #include "shm_segment.h"
 
 #include <c10/util/Exception.h>

@@ -1,3 +1,4 @@
+// The process group's collectives under the names of the torch built against (torch_compat.h).
 #include "torch_compat.h"
 
 #include <vector>
