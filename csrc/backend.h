@@ -106,6 +106,8 @@ class Backend final : public c10d::Backend {
   };
   std::string describe() const;
   std::map<std::string, RouteCounts> routes() const;
+  const std::shared_ptr<ShmEngine>& engine() const { return engine_; }
+  const std::string& why_not() const { return why_not_; }
 
  private:
   // Runs tasks in order on the engine's thread (on this one once the engine is idle, for a

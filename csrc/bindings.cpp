@@ -118,6 +118,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             e.comm().schedule().set_policy(
                 ScheduleChoice::Policy(found - std::begin(kPolicyNames)));
           })
+      // What describe() says, as values to check.
+      .def_property_readonly("local_ranks", [](ShmEngine& e) { return e.comm().channel().size(); })
+      .def_property_readonly(
+          "nodes",
+          [](ShmEngine& e) { return e.comm().spans_nodes() ? e.comm().cross_node().nodes() : 1; })
+      .def_property_readonly("block_bytes",
+                             [](ShmEngine& e) { return e.comm().channel().layout().block_bytes; })
+      .def_property_readonly("wide_bytes",
+                             [](ShmEngine& e) { return e.comm().channel().layout().wide_bytes; })
+      .def_property_readonly("wide_sizes",
+                             [](ShmEngine& e) { return e.comm().schedule().wide_sizes(); })
+      .def_property_readonly("one_shot_sizes",
+                             [](ShmEngine& e) { return e.comm().schedule().one_shot_sizes(); })
+      .def_property_readonly(
+          "always_one_shot_bytes",
+          [](ShmEngine& e) { return e.comm().schedule().always_one_shot_bytes(); })
+      .def_property_readonly("shared_now",
+                             [](ShmEngine& e) { return e.comm().schedule().shared_now(); })
+      .def_property_readonly("oversubscribed",
+                             [](ShmEngine& e) { return e.comm().channel().oversubscribed(); })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
         const ShmChannel::WaitStats w = e.wait_stats();
         py::dict stats;
@@ -167,6 +187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("why_not") = std::string())
       .def("describe", &Backend::describe)
       .def_property_readonly("options", &Backend::options)
+      .def_property_readonly("engine", &Backend::engine)
+      .def_property_readonly("why_not", &Backend::why_not)
       .def("routes", [](const Backend& b) {
         py::dict out;
         for (const auto& [name, counts] : b.routes()) {
