@@ -288,17 +288,21 @@ def schedules(rank, world):
             out = rank_input(rank, n, torch.float32)
             ddpx.all_reduce(out)
             results[("timed", n, call)] = fingerprint(out)
-    return engine.describe(), results
+    chosen = {"always_one_shot_bytes": engine.always_one_shot_bytes,
+              "one_shot_sizes": engine.one_shot_sizes, "wide_sizes": engine.wide_sizes}
+    return chosen, results
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_one_shot_narrow_wide_and_timed_give_the_same_bits_and_agree(world):
     """One-shot and two-phase (narrow or wide) sum every element in rank order in float32, so
     each gives the same bits, whichever local rank 0 picks call by call as it times them; every
-    rank applies its choice, and describe() names it the same on every rank."""
+    rank applies its choice, and reports it the same on every rank."""
     runs = run_ranks(schedules, world)
-    described, results = runs[0]
-    assert "one-shot up to 32 KiB" in described
+    chosen, results = runs[0]
+    # Timed steps send up to 32 KiB one-shot always and time the sizes above, although
+    # one_shot_bytes is 4 MiB.
+    assert chosen["always_one_shot_bytes"] == 32 * 1024, chosen
     for other in runs[1:]:
         assert other == runs[0]
     for (name, n, *_), value in results.items():
@@ -315,7 +319,7 @@ def steps_battery(rank, world):
     engine = engine_for()
     with pytest.raises(ValueError, match="'narrow', 'wide' or 'timed', got 'fast'"):
         engine.schedule = "fast"
-    prints, described = {}, {}
+    prints, chosen = {}, {}
     for steps in ("narrow", "wide", "timed", "shared"):
         engine.schedule = steps
         for dtype, compression in ((torch.float32, None), (torch.bfloat16, None),
@@ -329,8 +333,11 @@ def steps_battery(rank, world):
                 if compression is None:
                     assert_close_to_sum(out, inputs)
                 prints[(steps, str(dtype), compression, n)] = fingerprint(out)
-        described[steps] = engine.describe()
-    return prints, described
+        chosen[steps] = {"block_bytes": engine.block_bytes, "wide_bytes": engine.wide_bytes,
+                         "wide_sizes": engine.wide_sizes,
+                         "always_one_shot_bytes": engine.always_one_shot_bytes,
+                         "shared_now": engine.shared_now}
+    return prints, chosen
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])
@@ -339,14 +346,16 @@ def test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree(world):
     tensors, sum every element in rank order in float32, so each gives the same bits; with timed
     steps, local rank 0's choice is every rank's."""
     runs = run_ranks(steps_battery, world, env=WIDE_STEPS)
-    prints, described = runs[0]
+    prints, chosen = runs[0]
     for key, value in prints.items():
         if key[0] != "narrow":
             assert value == prints[("narrow", *key[1:])], key
-    assert "64 KiB steps (256 KiB ones for the sizes timed faster so: " in described["timed"]
-    assert "shared over 16 KiB (any rank sums any block for all, in their tensors; now)" in (
-        described["shared"])
-    assert "shared over" not in described["narrow"]
+    timed = chosen["timed"]
+    assert (timed["block_bytes"], timed["wide_bytes"]) == (64 * 1024, 256 * 1024), timed
+    assert chosen["wide"]["wide_sizes"] == "over 64 KiB", chosen["wide"]
+    assert chosen["shared"]["always_one_shot_bytes"] == 16 * 1024, chosen["shared"]
+    assert chosen["shared"]["shared_now"], chosen["shared"]
+    assert not chosen["narrow"]["shared_now"], chosen["narrow"]
     for other in runs[1:]:
         assert other == runs[0]
 

@@ -93,7 +93,7 @@ TRAIN_AND_DIE = """
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)),
                 bucket_cap_mb=0.05)
     state = ddpx.register_fused_hook(model, timeout=timedelta(seconds=10))
-    open(f"path.{rank}", "w").write(state.describe())
+    open(f"nodes.{rank}", "w").write(str(state.engine.nodes))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     try:
         for step in range(1000):
@@ -132,10 +132,10 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_p
         assert "gradient bucket" in line, line
         if nodes == 1 or name == "error.0":  # rank 0 shares rank 1's node
             assert "rank 1 (pid" in line and "exited while" in line, line
-    if nodes > 1:
-        # The other node learns it from the cross-node link, which the dead rank's exit closed.
-        for r in range(world):
-            assert "hierarchical across 2 nodes" in (tmp_path / f"path.{r}").read_text()
+    # Every hook spanned the nodes asked for: the other node learns of the death from the
+    # cross-node link, which the dead rank's exit closed.
+    for r in range(world):
+        assert (tmp_path / f"nodes.{r}").read_text() == str(nodes)
     pids = read_pids(tmp_path)
     assert len(pids) == world
     assert_no_job_left(tmp_path, pids)

@@ -141,7 +141,10 @@ def bound_waits_of_calls(rank, world):
 
     _bind(rank)
     result = waits_of_calls(rank, world)
-    return (*result, engine_for().describe())
+    engine = engine_for()
+    # ShmChannel has no field yet for a binding apart from the peers: describe() says it.
+    return (*result, {"described": engine.describe(), "shared_now": engine.shared_now,
+                      "always_one_shot_bytes": engine.always_one_shot_bytes})
 
 
 @pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs to bind 2 ranks apart")
@@ -149,15 +152,14 @@ def test_bound_busy_machine_no_yields(busy_machine):
     # Each rank and a process outside the job share one core. A rank alone in its binding is
     # not oversubscribed: its peer runs elsewhere, and a yield would hand the core to the other
     # process for a time slice at every wait (the cliff mpirun's default binding showed).
-    for stats, elapsed, exact, described in run_ranks(bound_waits_of_calls, 2, timeout=180):
+    for stats, elapsed, exact, engine in run_ranks(bound_waits_of_calls, 2, timeout=180):
         assert exact
         assert stats["yields"] == 0, stats
         check_bounded(stats, elapsed, 2)
         assert stats["waits"] > 0, "the load did not make any rank wait: the test shows nothing"
-        assert "spin up to 500 us (this rank is bound apart from its peers)" in described
-        # Each rank waits for its core about half the time: large calls go shared.
-        assert "shared over 32 KiB while a rank waits for its CPU (any rank sums any block for " \
-               "all, in their tensors; now)" in described
+        assert "spin up to 500 us (this rank is bound apart from its peers)" in engine["described"]
+        # Each rank waits for its core about half the time: the calls over 32 KiB go shared.
+        assert engine["always_one_shot_bytes"] == 32 * 1024 and engine["shared_now"], engine
 
 
 def rebound_yields(rank, world):
@@ -166,7 +168,7 @@ def rebound_yields(rank, world):
     from ddpx.engine import engine_for
 
     engine = engine_for()
-    yields, described = [], []
+    yields, policies = [], []
     for bind in (False, True):
         if bind:
             _bind(0)
@@ -175,8 +177,8 @@ def rebound_yields(rank, world):
         for _ in range(30_000):
             ddpx.all_reduce(torch.ones(1024))
         yields.append(engine.wait_stats["yields"] - before)
-        described.append(engine.describe())
-    return yields, described
+        policies.append({"oversubscribed": engine.oversubscribed, "shared_now": engine.shared_now})
+    return yields, policies
 
 
 @pytest.mark.skipif(CPUS < 2, reason="needs 2 CPUs for the unbound half")
@@ -186,11 +188,9 @@ def test_ranks_rebound_to_one_cpu_yield_to_each_other():
     results = run_ranks(rebound_yields, 2, timeout=120)
     for (unbound, _), (free, together) in results:
         assert unbound == 0
-        assert "spin up to 50 us, less once" in free
-        assert "waits yield first (2 ranks may run on 1 CPUs)" in together
+        assert not free["oversubscribed"] and together["oversubscribed"], (free, together)
         # Idle, a rank seldom waits for its CPU; sharing one, each waits while the other runs.
-        assert "in their tensors; not now)" in free
-        assert "in their tensors; now)" in together
+        assert not free["shared_now"] and together["shared_now"], (free, together)
     assert sum(bound for (_, bound), _ in results) > 0
 
 
