@@ -78,9 +78,10 @@ def get_extensions():
 
 
 setup(
-    packages=["ddpx", "ddpx_bench", "ddpx.csrc", "ddpx.csrc.cuda"],
+    packages=["ddpx", "ddpx_bench", "ddpx.csrc", "ddpx.csrc.kernels", "ddpx.csrc.cuda"],
     package_dir={"ddpx.csrc": "csrc"},
-    package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
+    package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.kernels": ["*.h", "*.cpp"],
+                  "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
     ext_modules=get_extensions(),
     cmdclass={"build_ext": BuildReusingObjects},
 )

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "node_comm.h"
 
 namespace ddpx {

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace ddpx {
 

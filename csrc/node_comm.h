@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "schedule.h"
 #include "shm_channel.h"
 

@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace ddpx {
 

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 
 namespace ddpx {
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels.h"
+#include "kernels/kernels.h"
 #include "shm_segment.h"
 #include "waiter.h"
 

@@ -12,8 +12,8 @@ import shutil
 import subprocess
 
 CPP_SOURCES = (
-    "kernels.cpp",
-    "kernels_avx2.cpp",
+    "kernels/kernels.cpp",
+    "kernels/kernels_avx2.cpp",
     "shm_segment.cpp",
     "waiter.cpp",
     "shm_channel.cpp",

@@ -12,8 +12,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [str(ROOT / path) for path in
-           ("tests/kernels_check.cpp", "csrc/kernels.cpp", "csrc/kernels_avx2.cpp")]
-FLAGS = ["-std=c++17", "-O2", "-Wall", f"-I{ROOT / 'csrc'}"]
+           ("tests/kernels_check.cpp", "csrc/kernels/kernels.cpp",
+            "csrc/kernels/kernels_avx2.cpp")]
+FLAGS = ["-std=c++17", "-O2", "-Wall", f"-I{ROOT / 'csrc' / 'kernels'}"]
 CROSS_TOOLS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
 
 

@@ -79,8 +79,8 @@ mkdir "$tmp/obj"
 compile_arm() {
   # shellcheck disable=SC2086  # FLAGS: the flags above, as words
   "$CXX_ARM" $FLAGS -I"$torch_inc" -I"$torch_inc/torch/csrc/api/include" -I"$py_inc" \
-    -I"$tmp/py" -c "csrc/$1" -o "$tmp/obj/$1.o" >"$tmp/obj/$1.log" 2>&1 ||
-    { cat "$tmp/obj/$1.log"; return 1; }
+    -I"$tmp/py" -c "csrc/$1" -o "$tmp/obj/${1//\//_}.o" >"$tmp/obj/${1//\//_}.log" 2>&1 ||
+    { cat "$tmp/obj/${1//\//_}.log"; return 1; }
 }
 export -f compile_arm
 export CXX_ARM tmp torch_inc py_inc FLAGS="${flags[*]}"
@@ -96,7 +96,7 @@ echo "arm_check: ${#sources[@]} aarch64 objects in $(seconds "$start");" \
   "$all warnings, $ours of them in csrc/"
 
 # kernels_avx2.cpp's x86 guard leaves only the function that says there are no AVX2 kernels.
-symbols=$(aarch64-linux-gnu-nm --defined-only -C "$tmp/obj/kernels_avx2.cpp.o")
+symbols=$(aarch64-linux-gnu-nm --defined-only -C "$tmp/obj/kernels_kernels_avx2.cpp.o")
 defined=$(grep -c ' T ' <<<"$symbols" || true)
 if [ "$defined" != 1 ]; then
   echo "arm_check: FAILED: kernels_avx2.cpp defines $defined functions for aarch64, not 1" >&2
@@ -105,16 +105,16 @@ fi
 rm -r "$tmp/torch"
 
 # 2. and 3. The kernels' test program, for aarch64 under qemu and for this machine.
-kernel_sources=(tests/kernels_check.cpp csrc/kernels.cpp csrc/kernels_avx2.cpp)
+kernel_sources=(tests/kernels_check.cpp csrc/kernels/kernels.cpp csrc/kernels/kernels_avx2.cpp)
 start=$SECONDS
-"$CXX_ARM" -std=c++17 -O3 -Wall -static -Icsrc "${kernel_sources[@]}" -o "$tmp/kernels_check_arm"
+"$CXX_ARM" -std=c++17 -O3 -Wall -static -Icsrc/kernels "${kernel_sources[@]}" -o "$tmp/kernels_check_arm"
 echo "arm_check: built kernels_check for aarch64 ($(seconds "$start")); under qemu-aarch64:"
 start=$SECONDS
 qemu-aarch64 "$tmp/kernels_check_arm" || { echo "arm_check: FAILED on aarch64" >&2; exit 1; }
 echo "arm_check: ran it under qemu-aarch64 in $(seconds "$start")"
 
 start=$SECONDS
-g++ -std=c++17 -O3 -Wall -Icsrc "${kernel_sources[@]}" -o "$tmp/kernels_check"
+g++ -std=c++17 -O3 -Wall -Icsrc/kernels "${kernel_sources[@]}" -o "$tmp/kernels_check"
 "$tmp/kernels_check" || { echo "arm_check: FAILED on $(uname -m)" >&2; exit 1; }
 echo "arm_check: built and ran it on $(uname -m) in $(seconds "$start")"
 echo "arm_check: passed"

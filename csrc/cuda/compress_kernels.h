@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "../kernels.h"
+#include "../kernels/kernels.h"
 
 namespace ddpx::cuda {
 
