@@ -177,6 +177,18 @@ def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
 
 
+def torchrun(tmp_path: Path, name: str, source: str, *args: str, timeout: float = 180) -> str:
+    """Writes ``source`` to ``tmp_path / name`` and runs it on 2 ranks of one node with
+    torchrun (one thread each), from tmp_path, with ``args``; asserts that it succeeded and
+    returns what the ranks printed."""
+    (tmp_path / name).write_text(source)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", name, *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 def folder_with_scripts(tmp_path: Path) -> Path:
     """``tmp_path``, seeing the repository's scripts/ through a link: a command written for the
     repository's root runs there, and what it writes, and the ranks' command lines, name

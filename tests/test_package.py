@@ -4,7 +4,6 @@ a DDP job with ddpx's hook, ddpx.all_reduce and the ddpx backend runs where acce
 cannot be imported: only the examples' helpers, ddpx.training, need them, and say how to install
 them."""
 
-import os
 import pkgutil
 import re
 import subprocess
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import ddpx
 import ddpx_bench
+
+from distributed import torchrun
 
 
 def not_installed(*libraries: str) -> str:
@@ -55,13 +56,9 @@ def test_the_benchmark_and_its_testbed_are_not_in_ddpx():
 
 
 def test_the_hook_and_the_backend_need_neither_accelerate_nor_numpy(tmp_path):
-    (tmp_path / "job.py").write_text(HOOK_JOB)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "job.py"], capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("HOOK ddpx shared-memory engine") == 2, done.stdout
-    assert done.stdout.count("MODULES []") == 2, done.stdout
+    stdout = torchrun(tmp_path, "job.py", HOOK_JOB)
+    assert stdout.count("HOOK ddpx shared-memory engine") == 2, stdout
+    assert stdout.count("MODULES []") == 2, stdout
 
 
 def test_the_examples_helpers_name_their_extra_when_a_library_is_missing():

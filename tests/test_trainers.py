@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from distributed import torchrun
+
 pytest.importorskip("lightning")
 
 JOB = '''
@@ -70,12 +72,8 @@ dist.destroy_process_group()
 
 
 def train(mode: str, tmp_path, source: str = JOB) -> dict:
-    job, out = tmp_path / "job.py", tmp_path / f"{mode}.pt"
-    job.write_text(source)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(job), mode, str(out)],
-                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / f"{mode}.pt"
+    torchrun(tmp_path, "job.py", source, mode, str(out))
     return torch.load(out)
 
 

@@ -8,14 +8,13 @@ the first test until this file says what runs it."""
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ddpx_bench import testbed
 
-from distributed import folder_with_scripts, run_on_two_hosts
+from distributed import folder_with_scripts, run_on_two_hosts, torchrun
 from documents import code_block_commands
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,22 +162,14 @@ def test_every_copyable_line_of_the_readme_is_run():
     ("collectives.py", "{'all_reduce': {'engine': 1, 'gloo': 0}}"),
 ])
 def test_a_readme_example_runs_as_written(name, expected, tmp_path):
-    (tmp_path / name).write_text(RUNNABLE[name])
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", name], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(expected) == 2, done.stdout  # one line from each rank
+    stdout = torchrun(tmp_path, name, RUNNABLE[name], timeout=120)
+    assert stdout.count(expected) == 2, stdout  # one line from each rank
 
 
 def test_the_readme_api_lines_run_as_written(tmp_path):
-    (tmp_path / "api.py").write_text(API_JOB)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", "api.py"], capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("PATHS ddpx shared-memory engine") == 2, done.stdout
-    assert done.stdout.count("SCHEDULE auto") == 2 and done.stdout.count("ACCELERATE 2") == 2
+    stdout = torchrun(tmp_path, "api.py", API_JOB)
+    assert stdout.count("PATHS ddpx shared-memory engine") == 2, stdout
+    assert stdout.count("SCHEDULE auto") == 2 and stdout.count("ACCELERATE 2") == 2
 
 
 @pytest.mark.parametrize("command", sorted(RUN_HERE))
