@@ -26,10 +26,9 @@ namespace {
 // chunk, each rank sums its piece over the nodes in node order and rounds the sum once, and an
 // all-gather hands the pieces back. Between two nodes one all-gather of the whole chunk carries
 // the same bytes in one round instead of two, and each node sums both chunks in node order and
-// rounds once: 1 MiB in bf16 across 2 nodes x 2 ranks at 1 Gbit/s took 8.4-10.3 ms against
-// 11.1-13.6 dealt and gathered. (Uncompressed, that all-gather was slower than gloo's all-reduce:
-// 4 MiB 54 ms against 40.) Every rank holding the chunk ends with the same bits, and the bytes on
-// the network are those of the wire dtype.
+// rounds once (faster than dealing and gathering; uncompressed, gloo's all-reduce stays faster
+// than that all-gather: docs/design.md, "Across nodes"). Every rank holding the chunk ends with
+// the same bits, and the bytes on the network are those of the wire dtype.
 //
 // Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
 // starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt
@@ -309,12 +308,10 @@ class ProcessGroupCrossNode final : public CrossNode {
 
 }  // namespace
 
-// Between 2 nodes at 1 Gbit/s, 6 MiB each way took 83 ms as one all-gather and 55 as four under
-// way at once, 92 as one all-to-all and 63 as eight, against 50 ms for the bytes. In sixteenths
-// rather than quarters (at most 1 MiB), the 25 MiB reduce-scatter and all-to-all of 2 nodes x 2
-// ranks went from 1.22-1.25x their link bound to 1.07-1.12x; on an unshaped link, where each
-// piece costs the node's CPUs more than its bytes cost the link, up to 1.25x slower. Up to 1 MiB
-// quarters stay: a 1 MiB all-to-all (parts of 256 KiB) took 13-14 ms in one piece, 10.6 in four.
+// One large gloo transfer fills only part of a shaped link and several under way at once fill it;
+// sixteenths bring large messages nearer their link bound than quarters, and below 4 MiB the
+// node's CPU cost per piece outweighs that (docs/benchmarks.md, "The backend's other collectives
+// across a network", has the measurements).
 size_t cross_piece_bytes(size_t bytes) {
   const size_t quarter = std::clamp(bytes / 4, size_t(64) << 10, size_t(256) << 10);
   return std::min(std::max(bytes / 16, quarter), size_t(4) << 20);
