@@ -21,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _ProcessGroupWrapper
 
 from ddpx import settings
 from ddpx._ext import extension
@@ -33,6 +34,7 @@ __all__ = [
     "create_node_engine",
     "cross_chunk_bytes",
     "cross_node_groups",
+    "ddpx_backend",
     "group_timeout",
     "group_with_timeout",
     "resolve_group",
@@ -347,10 +349,28 @@ def create_node_engine(meeting: Meeting, me: int, ranks: list[int], timeout: tim
     return engine
 
 
+def ddpx_backend(group):
+    """The ddpx backend that serves ``group``'s CPU tensors, or None where another does."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):  # no CPU backend, or a group traced by torch.compile
+        return None
+    if isinstance(backend, _ProcessGroupWrapper):  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checks
+        backend = backend.wrapped_pg
+    return backend if isinstance(backend, extension().Backend) else None
+
+
 def create_cpu_engine(group, timeout: timedelta | None):
-    """The engine of ``group``'s CPU tensors, made collectively by its ranks: the node's shared
-    memory, or the process group's all-reduce where that cannot serve (said once, by rank 0)."""
-    timeout = timeout if timeout is not None else group_timeout(group)
+    """The engine of ``group``'s CPU tensors: on a group of ddpx's backend, the backend's own (one
+    engine, one segment and one order of calls for the hook, ddpx.all_reduce and
+    torch.distributed), unless another timeout is asked for; else made collectively by the
+    group's ranks: the node's shared memory, or the process group's all-reduce where that cannot
+    serve (said once, by rank 0)."""
+    own = group_timeout(group)
+    backend = ddpx_backend(group)
+    if backend is not None and backend.engine is not None and timeout in (None, own):
+        return backend.engine
+    timeout = timeout if timeout is not None else own
     me = dist.get_rank(group)
     try:
         return create_node_engine(Meeting.of_group(group), me,

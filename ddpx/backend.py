@@ -18,12 +18,7 @@ import logging
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (
-    PrefixStore,
-    ProcessGroup,
-    ProcessGroupGloo,
-    _ProcessGroupWrapper,
-)
+from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo
 
 from ddpx._ext import extension
 from ddpx._setup import (
@@ -31,6 +26,7 @@ from ddpx._setup import (
     SharedMemoryUnavailable,
     create_node_engine,
     cross_node_groups,
+    ddpx_backend,
     resolve_group,
 )
 
@@ -83,10 +79,8 @@ def backend_of(group=None):
     """The ddpx backend that serves ``group``'s CPU tensors (default: the world group), for
     ``describe()`` (which path serves it) and ``routes()`` (each collective's calls by path)."""
     group = resolve_group(group)
-    backend = group._get_backend(torch.device("cpu"))
-    if isinstance(backend, _ProcessGroupWrapper):  # TORCH_DISTRIBUTED_DEBUG=DETAIL's checks
-        backend = backend.wrapped_pg
-    if not isinstance(backend, extension().Backend):
+    backend = ddpx_backend(group)
+    if backend is None:
         raise ValueError(
             f"ddpx: this group's CPU tensors go to {dist.get_backend(group)!r}, not to ddpx: make "
             "the group with init_process_group('ddpx') or new_group(..., backend='ddpx')"

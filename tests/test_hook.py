@@ -319,3 +319,38 @@ def test_complex_parameters_train_as_with_the_default():
             expected = torch.complex(torch.arange(5.0), -torch.arange(5.0) * 1.5).to(dtype)
             assert total.dtype == dtype and torch.equal(total, expected)
     assert all(torch.equal(a, b) for a, b in zip(runs[0]["bf16"], runs[1]["bf16"], strict=True))
+
+
+def one_engine(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+    from ddpx.engine import engine_for
+
+    engine = ddpx.backend_of().engine
+    assert engine is not None and engine_for() is engine
+    torch.manual_seed(0)
+    model = DDP(Net().body, bucket_cap_mb=0.01)
+    ddpx.register_fused_hook(model)
+    # The hook's buckets, blocking and async torch.distributed calls and ddpx.all_reduce, mixed,
+    # in one order on every rank, on one engine.
+    pending, sums = [], []
+    for step in range(3):
+        model(torch.full((4, 32), float(rank + step))).sum().backward()
+        t = torch.full((1000,), float(rank + 1))
+        pending.append((dist.all_reduce(t, async_op=True), t))
+        sums.append(ddpx.all_reduce(torch.full((10,), float(rank)), average=True))
+    for work, _ in pending:
+        work.wait()
+    assert all(bool((t == world * (world + 1) / 2).all()) for _, t in pending)
+    assert all(bool((s == (world - 1) / 2).all()) for s in sums)
+    return [p.grad for p in model.parameters()]
+
+
+def test_the_hook_and_ddpx_all_reduce_use_a_ddpx_groups_own_engine():
+    """On a group of ddpx's backend, the hook and ddpx.all_reduce run on the backend's engine,
+    not a second engine with a segment of its own, in one order with torch.distributed's calls;
+    the gradients are every rank's same bits."""
+    grads = run_ranks(one_engine, 2, backend="ddpx")
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
