@@ -25,8 +25,8 @@ _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 
-# group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
-# alive (with its threads) by ddpx until interpreter exit.
+# group -> {device type, or "sparse" -> engine}. Weak on the group: a destroyed process group must
+# not be kept alive (with its threads) by ddpx until interpreter exit.
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -114,9 +114,13 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
 def sparse_engine(group):
     """The engine of sparse COO tensors over ``group``: the process group's all-reduce (gloo sums
     sparse tensors; ddpx's engines reduce dense ones, and DDP's default sends sparse gradients the
-    same way), uncompressed. The C++ hook sends its sparse buckets there too (csrc/fused_hook.h)."""
-    return extension().make_process_group_engine(
-        group, "sparse tensors go through the process group's all-reduce")
+    same way), uncompressed, made once per group. The C++ hook sends its sparse buckets there too
+    (csrc/fused_hook.h)."""
+    by_kind = _engines.setdefault(group, {})
+    if "sparse" not in by_kind:
+        by_kind["sparse"] = extension().make_process_group_engine(
+            group, "sparse tensors go through the process group's all-reduce")
+    return by_kind["sparse"]
 
 
 def _operator_group(group, device: str, average: bool) -> tuple[str, float]:
