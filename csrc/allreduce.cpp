@@ -3,9 +3,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <utility>
 
+#include "arena.h"
 #include "collectives.h"
 #include "cross_node.h"
 
@@ -107,35 +109,47 @@ void copy_out(const AllreduceCall& call, uint64_t step, int64_t b) {
                     call.rule.sum_scale, call.out_write);
 }
 
-void allreduce_in_node(AllreduceCall& call, bool one_shot) {
-  const Blocks& x = call.blocks;
-  const void* srcs[kMaxLocalRanks];
-  for (int64_t b = 0; b < x.n; ++b) {
-    const uint64_t step = arrive(call, b);
-    const int64_t count = x.elements(b);
-    if (one_shot) {
-      for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
-      kernels().reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale,
-                       call.out_write);
-      continue;
-    }
-    const auto [lo, hi] = x.slice(count);
-    sum_slice(call, step, b, lo, hi, call.channel.output_slot(step) + size_t(lo) * x.acc_size);
-    copy_out(call, step, b);
-  }
-}
-
 // Small messages go in a few blocks per rank, so that ranks that run together share the work.
 size_t shared_block_bytes(const ShmLayout& layout, size_t bytes) {
   const size_t share = (bytes / size_t(2 * layout.nranks) + kPage - 1) / kPage * kPage;
   return std::min(layout.block_bytes, std::max(kMinSharedBlock, share));
 }
 
-// The claimer reads each peer's block (in the tensor's dtype), converts every rank's into the wire
-// dtype where the call compresses, sums them in rank order into its own tensor as the
-// one-shot schedule does, and writes the result into every peer's.
-void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
+// Where each rank's tensor lies as this rank reaches it: its own, a peer's arena chunk mapped here
+// (arena.h), or null for a peer read and written through the kernel (process_vm_readv/writev).
+struct PeerTensors {
+  char* at[kMaxLocalRanks];
+  int direct = 0;  // how many peers' lie in an arena mapped here
+};
+
+PeerTensors peer_tensors(const AllreduceCall& call, uint64_t step) {
   const Blocks& x = call.blocks;
+  PeerTensors peers;
+  for (int r = 0; r < x.ranks; ++r) {
+    const ArenaPlace& place = call.channel.posted(r, step).arena;
+    peers.at[r] = r == x.me ? x.data : nullptr;
+    if (r == x.me || !place.valid()) continue;
+    std::string why;
+    char* chunk = Arena::process().peer_chunk(call.channel.pid(r), place, &why);
+    if (chunk == nullptr) continue;
+    peers.at[r] = chunk + place.offset;
+    ++peers.direct;
+  }
+  return peers;
+}
+
+bool any_peer_in_arena(const AllreduceCall& call, uint64_t step) {
+  for (int r = 0; r < call.channel.size(); ++r) {
+    if (call.channel.posted(r, step).arena.valid()) return true;
+  }
+  return false;
+}
+
+// The claimer reads each rank's block (in the tensor's dtype) where it lies, converts every rank's
+// into the wire dtype where the call compresses, sums them in rank order into its own tensor as the
+// one-shot schedule does, and writes the result into every peer's.
+void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTensors& peers,
+                       uint64_t step, int64_t b) {
   const Kernels& k = kernels();
   const int64_t count = x.elements(b);
   if (count == 0) return;
@@ -148,11 +162,12 @@ void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
   scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
   const void* srcs[kMaxLocalRanks];
   for (int r = 0; r < x.ranks; ++r) {
-    char* raw = x.at(b);
-    if (r != x.me) {
-      raw = scratch.data() + size_t(r) * raw_room;
-      call.channel.read_peer(r, raw, call.channel.posted(r, step).address + offset, raw_bytes,
+    const char* raw = peers.at[r] + offset;
+    if (peers.at[r] == nullptr) {
+      char* copy = scratch.data() + size_t(r) * raw_room;
+      call.channel.read_peer(r, copy, call.channel.posted(r, step).address + offset, raw_bytes,
                              call.what);
+      raw = copy;
     }
     srcs[r] = raw;
     if (converted) {
@@ -164,18 +179,46 @@ void sum_block_for_all(const AllreduceCall& call, uint64_t step, int64_t b) {
   k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale, Write::Cached);
   for (int r = 0; r < x.ranks; ++r) {
     if (r == x.me) continue;
-    call.channel.write_peer(r, call.channel.posted(r, step).address + offset, x.at(b), raw_bytes,
-                            call.what);
+    if (peers.at[r] != nullptr) {
+      std::memcpy(peers.at[r] + offset, x.at(b), raw_bytes);
+    } else {
+      call.channel.write_peer(r, call.channel.posted(r, step).address + offset, x.at(b), raw_bytes,
+                              call.what);
+    }
   }
 }
 
-// The shared schedule: blocks claimed by whichever rank gets there first, each summed by its
-// claimer straight from every rank's tensor into every rank's tensor.
-void allreduce_shared(AllreduceCall& call) {
-  const Blocks& x = call.blocks;
+// Blocks claimed by whichever rank gets there first, each summed by its claimer straight from
+// every rank's tensor into every rank's tensor, after a first step (at `step`) that carried the
+// ranks' addresses and checked the call. The shared schedule, and the zero-copy one where the
+// tensors lie in the ranks' arenas: there every block is plain loads and stores, so the call
+// copies nothing in or out and synchronises twice whatever its size.
+void allreduce_claimed(AllreduceCall& call, uint64_t step) {
+  ShmChannel& channel = call.channel;
+  Blocks x = call.blocks;
+  x.per_block =
+      int64_t(shared_block_bytes(channel.layout(), size_t(x.numel) * x.wire_size) / x.wire_size);
+  x.n = x.numel == 0 ? 1 : (x.numel + x.per_block - 1) / x.per_block;
+  const PeerTensors peers = peer_tensors(call, step);
+  AllreduceBuffers& buffers = call.comm.allreduce_buffers();
+  if (call.meta.arena.valid() && peers.direct == x.ranks - 1) {
+    buffers.zero_copy_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  const uint64_t first = buffers.shared_blocks, end = first + uint64_t(x.n);
+  buffers.shared_blocks = end;
+  uint64_t block = 0;
+  while (channel.claim_block(end, &block)) {
+    sum_block_for_all(call, x, peers, step, int64_t(block - first));
+    channel.block_done(end);
+  }
+  channel.wait_blocks_done(end, call.what);
+}
+
+// The first step of a claimed call: every rank's description with its tensor's address, and no
+// data; returns the step.
+uint64_t arrive_without_data(AllreduceCall& call) {
   ShmChannel& channel = call.channel;
   const uint64_t step = call.comm.next_step();
-  call.meta.address = reinterpret_cast<uint64_t>(x.data);
   channel.post(step, call.meta);
   channel.publish(Phase::Arrive, step);
   const auto waits_from = Clock::now();
@@ -183,15 +226,33 @@ void allreduce_shared(AllreduceCall& call) {
   call.skew = Clock::now() - waits_from;
   // Past the check every rank's tensor has this call's size, which the claimers rely on.
   call.comm.first_step(step, call.meta, call.what);
-  uint64_t& blocks_so_far = call.comm.allreduce_buffers().shared_blocks;
-  const uint64_t first = blocks_so_far, end = first + uint64_t(x.n);
-  blocks_so_far = end;
-  uint64_t block = 0;
-  while (channel.claim_block(end, &block)) {
-    sum_block_for_all(call, step, int64_t(block - first));
-    channel.block_done(end);
+  return step;
+}
+
+// Returns false where the call went claimed after all (a peer's tensor lies in its arena).
+bool allreduce_in_node(AllreduceCall& call, bool one_shot) {
+  const Blocks& x = call.blocks;
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t b = 0; b < x.n; ++b) {
+    const uint64_t step = arrive(call, b);
+    // A peer's tensor lies in its arena and this rank's does not: the peers posted no data, so
+    // every rank claims the blocks from here, reading this rank's tensor through the kernel.
+    if (b == 0 && any_peer_in_arena(call, step)) {
+      allreduce_claimed(call, step);
+      return false;
+    }
+    const int64_t count = x.elements(b);
+    if (one_shot) {
+      for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
+      kernels().reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale,
+                       call.out_write);
+      continue;
+    }
+    const auto [lo, hi] = x.slice(count);
+    sum_slice(call, step, b, lo, hi, call.channel.output_slot(step) + size_t(lo) * x.acc_size);
+    copy_out(call, step, b);
   }
-  channel.wait_blocks_done(end, call.what);
+  return true;
 }
 
 // This rank's slices of the blocks are summed within the node into the node sums, which cross
@@ -278,11 +339,7 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   const auto started = Clock::now();
   const bool wide = schedule == ScheduleChoice::kWide;
   const ShmLayout& layout = channel.layout();
-  const int64_t per_block =
-      int64_t((wide                                  ? layout.wide_bytes
-               : schedule == ScheduleChoice::kShared ? shared_block_bytes(layout, bytes)
-                                                     : layout.block_bytes) /
-              wire_size);
+  const int64_t per_block = int64_t((wide ? layout.wide_bytes : layout.block_bytes) / wire_size);
   // Two-phase sums stay in the accumulation dtype in shared memory, so a result is rounded into
   // the tensor's dtype once, and is the same bits whichever schedule reduced it.
   const DType acc = SumRule::accumulation(dtype);
@@ -313,12 +370,17 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
     allreduce_across_nodes(call);
     return;
   }
-  if (schedule == ScheduleChoice::kShared) {
-    allreduce_shared(call);
-  } else {
-    allreduce_in_node(call, one_shot);
+  // A tensor in this rank's arena goes claimed whatever the schedule, its peers read where it
+  // lies; a call whose every tensor does copies nothing in or out.
+  call.meta.address = reinterpret_cast<uint64_t>(data);
+  if (channel.reachable() == ShmChannel::Reach::Yes) {
+    call.meta.arena = Arena::process().find(data, size_t(numel) * blocks.data_size);
   }
-  if (channel.me() == 0 && timed >= 0 && schedule != ScheduleChoice::kShared) {
+  if (schedule == ScheduleChoice::kShared || call.meta.arena.valid()) {
+    allreduce_claimed(call, arrive_without_data(call));
+    return;
+  }
+  if (allreduce_in_node(call, one_shot) && channel.me() == 0 && timed >= 0) {
     choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
   }
 }

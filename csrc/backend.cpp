@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "arena.h"
 #include "backend_work.h"
 #include "caller_profiler.h"
 
@@ -28,6 +29,17 @@ Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
 c10::intrusive_ptr<c10d::Backend::Options> Backend::options() const {
   return c10::make_intrusive<Options>(getBackendName(), timeout_);
 }
+
+#if DDPX_TORCH_AT_LEAST_2_9
+bool Backend::supportsTensorAlloc(c10::DeviceIndex device) {
+  // A CPU device has no index; a group that also serves CUDA tensors may be asked for theirs.
+  return device < 0 && local() && Arena::process().usable();
+}
+
+at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
+  return Arena::process().allocate(size, options);
+}
+#endif
 
 void Backend::count(const char* name, Route route) {
   std::lock_guard<std::mutex> lock(mu_);

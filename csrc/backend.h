@@ -42,6 +42,12 @@ class Backend final : public c10d::Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override { return options(); }
 #endif
   bool supportsCoalescing() const override { return true; }
+#if DDPX_TORCH_AT_LEAST_2_9
+  // Communication memory (DDP's buckets, FSDP2's buffers) in the process's arena (arena.h), where
+  // the group lies on one node: collectives on it copy nothing in or out.
+  bool supportsTensorAlloc(c10::DeviceIndex device) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+#endif
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 

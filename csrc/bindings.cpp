@@ -136,6 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](ShmEngine& e) { return e.comm().schedule().always_one_shot_bytes(); })
       .def_property_readonly("shared_now",
                              [](ShmEngine& e) { return e.comm().schedule().shared_now(); })
+      .def_property_readonly("zero_copy_calls",
+                             [](ShmEngine& e) { return e.comm().zero_copy_calls(); })
       .def_property_readonly("oversubscribed",
                              [](ShmEngine& e) { return e.comm().channel().oversubscribed(); })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
@@ -148,6 +150,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         stats["lost_yields"] = w.lost_yields;
         return stats;
       });
+
+  // The process's arena (arena.h): tensors in it, whether one lies there, what it holds.
+  m.def(
+      "arena_empty",
+      [](int64_t numel, at::ScalarType dtype) {
+        return Arena::process().allocate(numel, at::TensorOptions().dtype(dtype));
+      },
+      py::arg("numel"), py::arg("dtype"));
+  m.def("arena_holds", [](const at::Tensor& t) {
+    return t.device().is_cpu() &&
+           Arena::process().find(t.data_ptr(), size_t(t.numel()) * t.element_size()).valid();
+  });
+  m.def("arena_usage", [] {
+    Arena& arena = Arena::process();
+    const Arena::Usage use = arena.usage();
+    py::dict out;
+    out["usable"] = arena.usable();
+    out["why_not"] = arena.why_not();
+    out["chunks"] = use.chunks;
+    out["bytes"] = use.bytes;
+    out["in_use"] = use.in_use;
+    out["peer_chunks"] = use.peer_chunks;
+    out["fell_back"] = use.fell_back;
+    return out;
+  });
 
   m.def(
       "make_shm_engine",

@@ -193,6 +193,19 @@ std::string ShmEngine::describe() const {
           << ")";
     }
   }
+  if (!cross_node_) {
+    Arena& arena = Arena::process();
+    const Arena::Usage use = arena.usage();
+    out << "; arena ";
+    if (!arena.usable()) {
+      out << "off (" << arena.why_not() << ")";
+    } else {
+      out << use.chunks << " chunk" << (use.chunks == 1 ? "" : "s") << ", " << (use.bytes >> 10)
+          << " KiB (" << (use.in_use >> 10) << " in use), " << comm.zero_copy_calls()
+          << " zero-copy all-reduces";
+      if (use.fell_back) out << ", some communication memory in ordinary memory";
+    }
+  }
   out << "; " << channel.wait_policy();
   if (cross_node_) {
     out << ", hierarchical across " << cross_node_->nodes() << " nodes through the process group";

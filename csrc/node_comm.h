@@ -37,8 +37,9 @@ constexpr size_t kStreamBytes = size_t(8) << 20;
 
 // What the all-reduce keeps from one call to the next.
 struct AllreduceBuffers {
-  uint64_t shared_blocks = 0;        // the blocks of the shared calls so far
-  std::vector<char> shared_scratch;  // the peers' blocks as the claimer reads them
+  uint64_t shared_blocks = 0;                // the blocks of the shared calls so far
+  std::atomic<uint64_t> zero_copy_calls{0};  // calls whose every rank's tensor lay in its arena
+  std::vector<char> shared_scratch;          // the peers' blocks as the claimer reads them
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums;
 };
@@ -69,6 +70,9 @@ class NodeComm {
   ScheduleChoice& schedule() { return schedule_; }
   const ScheduleChoice& schedule() const { return schedule_; }
   AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
+  uint64_t zero_copy_calls() const {
+    return allreduce_buffers_.zero_copy_calls.load(std::memory_order_relaxed);
+  }
   // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).
   void set_call_timeout(std::chrono::milliseconds timeout) { channel_.set_call_timeout(timeout); }
 

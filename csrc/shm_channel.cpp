@@ -399,6 +399,8 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
   waiter_.wait(wait, wait_timeout());
 }
 
+pid_t ShmChannel::pid(int rank) const { return control_[rank].pid; }
+
 void ShmChannel::copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
                                 uint64_t remote_address, size_t bytes, const std::string& what) {
   for (size_t done = 0; done < bytes;) {

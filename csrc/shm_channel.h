@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "arena.h"
 #include "kernels/kernels.h"
 #include "shm_segment.h"
 #include "waiter.h"
@@ -61,8 +62,10 @@ struct CallMeta {
   int32_t torch_dtype = -1;
   // Local rank 0's only: 1 when the all-reduces after this one go shared (schedule.h).
   uint32_t shared = 0;
-  // Where this rank's tensor lies in its process, for an all-reduce the ranks share.
+  // Where this rank's tensor lies in its process, for an all-reduce the ranks share, and in its
+  // arena, if it is there (arena.h).
   uint64_t address = 0;
+  ArenaPlace arena;
 };
 
 class ShmChannel {
@@ -86,6 +89,7 @@ class ShmChannel {
   // Whether local rank `rank`'s process has exited (never for a peer in another pid namespace,
   // which this one cannot see).
   bool exited(int rank) const;
+  pid_t pid(int rank) const;
   char* input_slot(int rank, uint64_t step) const;
   char* output_slot(uint64_t step) const;
 

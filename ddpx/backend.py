@@ -15,11 +15,13 @@ ranks for what the engine does not serve. ``ddpx.backend_of(group)`` is the back
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo
 
+from ddpx import settings
 from ddpx._ext import extension
 from ddpx._setup import (
     Meeting,
@@ -66,7 +68,19 @@ def _create_backend(options, _backend_options):
         why_not = str(why)
         if rank == 0:
             logger.warning("ddpx: %s; the ddpx backend runs every collective on gloo", why_not)
-    return extension().Backend(rank, size, timeout, gloo, engine, why_not)
+    backend = extension().Backend(rank, size, timeout, gloo, engine, why_not)
+    _turn_on_comm_memory(backend, size)
+    return backend
+
+
+def _turn_on_comm_memory(backend, size: int) -> None:
+    """Makes DDP allocate its buckets through the backend, in ddpx's arena, unless the user chose
+    (DDP_DISABLE_COMM_MEM, DDPX_COMM_MEMORY=0). torch reads the variable for every process group,
+    NCCL's too, so ddpx sets it only where no GPU is visible."""
+    if (size > 1 and settings.flag("DDPX_COMM_MEMORY") and "DDP_DISABLE_COMM_MEM" not in os.environ
+            and backend.supports_tensor_alloc(torch.device("cpu"))
+            and not torch.cuda.is_available()):
+        os.environ["DDP_DISABLE_COMM_MEM"] = "0"
 
 
 def register() -> None:
