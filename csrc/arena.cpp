@@ -105,33 +105,46 @@ void Arena::release(void* chunk) {
   static_cast<Chunk*>(chunk)->in_use = false;
 }
 
+at::DataPtr Arena::take_data(size_t bytes, std::string* why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  probe();
+  *why = why_not_;
+  Chunk* chunk = why->empty() ? take(bytes) : nullptr;
+  if (why->empty() && chunk == nullptr) *why = errno_text("making a chunk of shared memory");
+  if (chunk == nullptr) return {};
+  return at::DataPtr(chunk->base, chunk, &Arena::release, at::Device(at::kCPU));
+}
+
 at::Tensor Arena::allocate(int64_t numel, const at::TensorOptions& options) {
   TORCH_CHECK_VALUE(numel >= 0, "ddpx: cannot allocate ", numel, " elements");
-  const at::TensorOptions cpu = options.device(at::kCPU);
-  const size_t bytes = size_t(numel) * c10::elementSize(c10::typeMetaToScalarType(cpu.dtype()));
-  Chunk* chunk = nullptr;
-  std::string why;
-  {
+  const size_t bytes = size_t(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  std::string why = "the tensor is for " + options.device().str() + ", the arena holds CPU tensors";
+  at::DataPtr data = options.device().is_cpu() ? take_data(bytes, &why) : at::DataPtr();
+  if (!data) {
     std::lock_guard<std::mutex> lock(mutex_);
-    probe();
-    why = why_not_;
-    if (why.empty() && options.device().is_cpu()) {
-      chunk = take(bytes);
-      if (chunk == nullptr) why = errno_text("making a chunk of shared memory");
-    } else if (why.empty()) {
-      why = "the tensor is for " + options.device().str() + ", the arena holds CPU tensors";
-    }
-    if (chunk == nullptr && !fell_back_) {
+    if (!fell_back_) {
       fell_back_ = true;
       TORCH_WARN("ddpx: a tensor of ", bytes, " bytes for communication is in ordinary memory, ",
                  "not in ddpx's arena (", why, "): its collectives copy it in and out");
     }
+    return at::empty({numel}, options);
   }
-  if (chunk == nullptr) return at::empty({numel}, options);
-  at::DataPtr data(chunk->base, chunk, &Arena::release, at::Device(at::kCPU));
   auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), bytes,
                                                        std::move(data), nullptr, false);
-  return at::empty({0}, cpu).set_(c10::Storage(std::move(storage)), 0, {numel}, {1});
+  return at::empty({0}, options).set_(c10::Storage(std::move(storage)), 0, {numel}, {1});
+}
+
+bool Arena::adopt(const at::Tensor& t) {
+  if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.has_storage()) return false;
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = storage->nbytes();
+  if (bytes == 0 || find(storage->data(), bytes).valid()) return bytes != 0;
+  std::string why;
+  at::DataPtr data = take_data(bytes, &why);
+  if (!data) return false;
+  std::memcpy(data.get(), storage->data(), bytes);
+  storage->set_data_ptr_noswap(std::move(data));
+  return true;
 }
 
 ArenaPlace Arena::find(const void* data, size_t bytes) {

@@ -43,6 +43,10 @@ class Arena {
   // A tensor of numel elements in a chunk (uninitialised). Where a chunk cannot be made, or
   // options ask for other than a CPU tensor, ordinary memory, said once (a warning).
   at::Tensor allocate(int64_t numel, const at::TensorOptions& options);
+  // Moves t's storage into a chunk, its bytes copied, so that every tensor viewing that storage
+  // (DDP's bucket, the gradients viewing it) lies in the arena from now on. False, leaving it as it
+  // was, where t is not a whole CPU storage or no chunk can be made.
+  bool adopt(const at::Tensor& t);
   // Where [data, data + bytes) lies, if wholly in one chunk of this arena.
   ArenaPlace find(const void* data, size_t bytes);
   // A peer's chunk (owner pid, place) mapped here, or nullptr with why set. Mappings are kept.
@@ -66,6 +70,9 @@ class Arena {
   Arena() = default;
   static void release(void* chunk);
   Chunk* take(size_t bytes);  // a free chunk that fits, or a new one; nullptr on failure
+  // A chunk's bytes as a tensor's storage would hold them, returned to the arena with it; empty,
+  // with why set, where none can be made.
+  at::DataPtr take_data(size_t bytes, std::string* why);
   void probe();
 
   std::mutex mutex_;

@@ -246,11 +246,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "register_fused_hook",
       [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
          c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,
-         std::optional<at::ScalarType> wire) {
+         std::optional<at::ScalarType> wire, bool into_arena) {
+        const bool adopt = into_arena && engine->serves_arena();
         reducer.register_comm_hook(std::make_unique<FusedHook>(
-            FusedHookConfig{std::move(engine), std::move(group), scale, wire}));
+            FusedHookConfig{std::move(engine), std::move(group), scale, wire, adopt}));
       },
-      py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"), py::arg("wire"));
+      py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"), py::arg("wire"),
+      py::arg("into_arena"));
   m.def(
       "invalid_input",
       [](const at::Tensor& tensor, std::optional<at::ScalarType> wire, std::string what,

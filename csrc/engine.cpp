@@ -10,6 +10,7 @@
 #include <sstream>
 #include <utility>
 
+#include "arena.h"
 #include "caller_profiler.h"
 #include "collectives.h"
 #include "errors.h"
@@ -156,6 +157,8 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
     q.cv.notify_all();
   }
 }
+
+bool ShmEngine::serves_arena() const { return !cross_node_ && Arena::process().usable(); }
 
 std::string ShmEngine::describe() const {
   std::ostringstream out;

@@ -46,6 +46,8 @@ class Engine {
   virtual c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) = 0;
   virtual void run(at::Tensor tensor, const Request& request) = 0;
   virtual std::string describe() const = 0;
+  // Whether all-reduces of tensors in the ranks' arenas (arena.h) copy nothing in or out here.
+  virtual bool serves_arena() const { return false; }
   // Finishes the queued work and stops the engine's threads, if it has any; later calls raise.
   virtual void shutdown() {}
 };
@@ -73,6 +75,7 @@ class ShmEngine final : public Engine {
   using Op = std::function<c10::IValue(NodeComm&)>;
   c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
+  bool serves_arena() const override;
   void shutdown() override;
   // Bytes this rank has sent to other nodes so far (CrossNode::bytes_sent); zero on one node.
   uint64_t cross_node_bytes() const;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 
+#include "arena.h"
 #include "engine.h"
 
 namespace ddpx {
@@ -19,6 +20,8 @@ struct FusedHookConfig {
   c10::intrusive_ptr<c10d::ProcessGroup> group;  // the model's: sparse buckets go through it
   double scale;                                  // 1 / world size: DDP averages gradients
   std::optional<at::ScalarType> wire;            // compression dtype, or none
+  // Moves each bucket's storage into the arena the first time the hook meets it (arena.h).
+  bool into_arena;
 };
 
 class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
@@ -31,6 +34,11 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
       return scaled_allreduce(*state_.group, bucket.getBufferRef(), state_.scale,
                               /*premul_sum=*/false);
     }
+    // DDP allocated the bucket in ordinary memory (its group is not ddpx's, or comm memory is
+    // off): from here on it lies in the arena, and so do the gradients that view it, so this
+    // all-reduce and every later one of the bucket copy nothing in or out. DDP's rebuilt buckets
+    // after the first step are new storages, moved when first met in turn.
+    if (state_.into_arena) Arena::process().adopt(bucket.getBufferRef());
     Request request{state_.scale, state_.wire,
                     "gradient bucket " + std::to_string(bucket.getIndex())};
     return state_.engine->run_async(bucket.getBufferRef(), std::move(request));

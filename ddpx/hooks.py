@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpx import settings
 from ddpx._ext import extension
 from ddpx.engine import engine_for, sparse_engine, wire_dtype
 
@@ -107,7 +108,8 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
             raise ValueError(why)
     state = FusedHookState(group, compression, device=device, timeout=timeout)
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.process_group,
-                                    state.scale, state.wire)
+                                    state.scale, state.wire,
+                                    into_arena=settings.flag("DDPX_COMM_MEMORY"))
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
     return state
 

@@ -33,9 +33,10 @@ SETTINGS = (
             "the most of /dev/shm one group's segment may take, in MiB (unset: it fits in half "
             "of what is free); `1` shows the fallback a small /dev/shm gets"),
     Setting("DDPX_COMM_MEMORY", "1",
-            "`0`: DDP keeps its buckets in ordinary memory on ddpx groups (otherwise ddpx sets "
-            "DDP_DISABLE_COMM_MEM=0 where the user has not and no GPU is visible, and DDP "
-            "allocates them in ddpx's arena, where collectives copy nothing in or out)"),
+            "`0`: DDP's buckets stay in ordinary memory. Otherwise they lie in ddpx's arena, "
+            "where all-reduces copy nothing in or out: on a ddpx group DDP allocates them there "
+            "(ddpx sets DDP_DISABLE_COMM_MEM=0 where the user has not and no GPU is visible), "
+            "and ddpx's fused hook on any other group moves each there when it first meets it"),
     Setting("DDPX_STRICT", None, "`1`: raise instead of falling back to the process group"),
     Setting("DDPX_CACHE_DIR", "~/.cache/ddpx", "where a build at first use goes"),
     Setting("DDPX_SKIP_CUDA", None, "`1`: build without the CUDA kernels"),
