@@ -1,6 +1,7 @@
 """A soak on a busy machine (a CPU-bound process on every core), where large all-reduces go in
 shared blocks: two ranks bound to a core each, two threads per rank, each on its own group
-(ddpx.all_reduce on the world's shared-memory engine; torch.distributed collectives on a group of
+(ddpx.all_reduce on the world's shared-memory engine, every other call on tensors in the ranks'
+arenas; torch.distributed collectives on a group of
 ddpx's backend), random sizes and dtypes, every result checked exactly against its integer
 reference; then one rank is SIGKILLed and the other must get an error naming it, not a hang.
 10 s by default; `-m slow` soaks for ten minutes."""
@@ -40,6 +41,7 @@ def _expected(numel: int, world: int, turn: int, dtype: torch.dtype) -> torch.Te
 
 def _world_thread(rank, world, seconds, counts, wrong):
     import ddpx
+    from ddpx._ext import extension
 
     rng = torch.Generator().manual_seed(1)  # the same sizes on every rank
     end, turn = time.monotonic() + seconds, 0
@@ -51,6 +53,8 @@ def _world_thread(rank, world, seconds, counts, wrong):
         dtype = (torch.float32, torch.bfloat16, torch.float64)[turn % 3]
         numel = _numel(rng)
         x = _values(numel, rank, turn, dtype)
+        if turn % 2:  # every other call on tensors in the ranks' arenas: zero-copy
+            x = extension().arena_empty(numel, dtype).copy_(x)
         ddpx.all_reduce(x, compression="bf16" if dtype == torch.float32 and turn % 4 == 0 else None)
         wrong["world"] += int(not torch.equal(x, _expected(numel, world, turn, dtype)))
         counts["world"] += 1
@@ -97,6 +101,7 @@ def soak(rank, world, seconds, out_dir):
     import torch.distributed as dist
 
     import ddpx
+    from ddpx._ext import extension
     from ddpx.engine import engine_for
 
     os.sched_setaffinity(0, {rank % CPUS})  # as mpirun binds 2 ranks; the threads inherit it
@@ -121,14 +126,14 @@ def soak(rank, world, seconds, out_dir):
         t.join()
     ddpx.all_reduce(torch.ones(8))  # both threads are done on every rank
     result = {"counts": counts, "wrong": wrong, "failures": failures,
-              "shared_now": engine_for().shared_now}
+              "shared_now": engine_for().shared_now, "zero_copy": engine_for().zero_copy_calls}
     if rank == world - 1:
         with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
             json.dump(result, f)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        ddpx.all_reduce(torch.ones(1 << 20))
+        ddpx.all_reduce(extension().arena_empty(1 << 20, torch.float32).fill_(1))
         result["dead_peer"] = "no error"
     except RuntimeError as error:
         result["dead_peer"] = str(error)
@@ -150,6 +155,8 @@ def _soak_and_kill(seconds, tmp_path, busy_machine):
     assert victim["counts"] == survivor["counts"]
     # Each rank waits for its core: the large all-reduces went in shared blocks.
     assert survivor["shared_now"]
+    # Half the world thread's calls were on arena tensors, and went zero-copy.
+    assert survivor["zero_copy"] >= survivor["counts"]["world"] // 2
     assert "rank 1" in survivor["dead_peer"] and "exited" in survivor["dead_peer"]
     assert survivor["dead_peer_s"] < DEAD_PEER_S
     assert shm_segments() == before
