@@ -14,7 +14,9 @@ namespace {
 // Puts bytes [lo, lo + count) of rank r's input, at from, where they belong.
 using Place = std::function<void(int r, size_t lo, const char* from, size_t count)>;
 
-void allgather_in_node(NodeComm& comm, const CallMeta& mine, bool first, const void* in,
+// Returns false, having placed nothing, where a call's first step finds that some ranks' inputs lie
+// in their arenas: the ranks then run it again from the next step.
+bool allgather_in_node(NodeComm& comm, const CallMeta& mine, bool first, const void* in,
                        size_t bytes, const Place& place, const std::string& what) {
   ShmChannel& channel = comm.channel();
   const size_t block = channel.layout().block_bytes;
@@ -26,11 +28,33 @@ void allgather_in_node(NodeComm& comm, const CallMeta& mine, bool first, const v
     const uint64_t step = comm.exchange(
         mine, first && b == 0, [&](char* slot) { k.copy(slot, src + lo, count, Write::Cached); },
         what);
+    if (first && b == 0 && comm.any_in_arena(step)) return false;
     if (count == 0) continue;
     for (int r = 0; r < channel.size(); ++r) {
       place(r, lo, r == channel.me() ? src + lo : channel.input_slot(r, step), count);
     }
   }
+  return true;
+}
+
+// Every rank's input lies in its arena: each rank copies every peer's straight to its place, after
+// one step with no data, then waits for the peers to finish reading its own.
+void allgather_in_arenas(NodeComm& comm, uint64_t step, const void* in, size_t bytes,
+                         void* const* outs, Write write, const std::string& what) {
+  ShmChannel& channel = comm.channel();
+  bool direct = true;
+  for (int r = 0; r < channel.size(); ++r) {
+    char* to = static_cast<char*>(outs[r]);
+    const char* from = r == channel.me() ? static_cast<const char*>(in) : comm.peer_arena(r, step);
+    if (from == nullptr) {
+      direct = false;
+      channel.read_peer(r, to, channel.posted(r, step).address, bytes, what);
+    } else if (to != from && bytes > 0) {
+      kernels().copy(to, from, bytes, write);
+    }
+  }
+  comm.finish_reads(step, what);
+  if (direct) comm.count_zero_copy();
 }
 
 // Rank r's part of node n lands at outs[group rank of (n, r)]. In pieces (cross_piece_bytes), all
@@ -79,17 +103,28 @@ void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype
     allgather_across_nodes(comm, in, bytes, torch_dtype, outs, what);
     return;
   }
-  const CallMeta mine =
+  CallMeta mine =
       comm.begin_local(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what, torch_dtype);
   const Write write =
       bytes * size_t(comm.channel().size()) >= kStreamBytes ? Write::Streaming : Write::Cached;
-  allgather_in_node(
-      comm, mine, true, in, bytes,
-      [&](int r, size_t lo, const char* from, size_t count) {
-        char* part = static_cast<char*>(outs[r]) + lo;
-        if (part != from) kernels().copy(part, from, count, write);
-      },
-      what);
+  const Place place = [&](int r, size_t lo, const char* from, size_t count) {
+    char* part = static_cast<char*>(outs[r]) + lo;
+    if (part != from) kernels().copy(part, from, count, write);
+  };
+  mine.address = reinterpret_cast<uint64_t>(in);
+  mine.arena = comm.arena_place(in, bytes);
+  bool first = true;
+  if (mine.arena.valid()) {
+    const uint64_t step = comm.exchange(mine, true, [](char*) {}, what);
+    if (comm.all_in_arena(step)) {
+      allgather_in_arenas(comm, step, in, bytes, outs, write, what);
+      return;
+    }
+    first = false;
+  }
+  if (!allgather_in_node(comm, mine, first, in, bytes, place, what)) {
+    allgather_in_node(comm, mine, false, in, bytes, place, what);
+  }
 }
 
 }  // namespace ddpx

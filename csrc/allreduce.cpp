@@ -126,23 +126,10 @@ PeerTensors peer_tensors(const AllreduceCall& call, uint64_t step) {
   const Blocks& x = call.blocks;
   PeerTensors peers;
   for (int r = 0; r < x.ranks; ++r) {
-    const ArenaPlace& place = call.channel.posted(r, step).arena;
-    peers.at[r] = r == x.me ? x.data : nullptr;
-    if (r == x.me || !place.valid()) continue;
-    std::string why;
-    char* chunk = Arena::process().peer_chunk(call.channel.pid(r), place, &why);
-    if (chunk == nullptr) continue;
-    peers.at[r] = chunk + place.offset;
-    ++peers.direct;
+    peers.at[r] = r == x.me ? x.data : call.comm.peer_arena(r, step);
+    if (r != x.me && peers.at[r] != nullptr) ++peers.direct;
   }
   return peers;
-}
-
-bool any_peer_in_arena(const AllreduceCall& call, uint64_t step) {
-  for (int r = 0; r < call.channel.size(); ++r) {
-    if (call.channel.posted(r, step).arena.valid()) return true;
-  }
-  return false;
 }
 
 // The claimer reads each rank's block (in the tensor's dtype) where it lies, converts every rank's
@@ -201,9 +188,7 @@ void allreduce_claimed(AllreduceCall& call, uint64_t step) {
   x.n = x.numel == 0 ? 1 : (x.numel + x.per_block - 1) / x.per_block;
   const PeerTensors peers = peer_tensors(call, step);
   AllreduceBuffers& buffers = call.comm.allreduce_buffers();
-  if (call.meta.arena.valid() && peers.direct == x.ranks - 1) {
-    buffers.zero_copy_calls.fetch_add(1, std::memory_order_relaxed);
-  }
+  const bool zero_copy = call.meta.arena.valid() && peers.direct == x.ranks - 1;
   const uint64_t first = buffers.shared_blocks, end = first + uint64_t(x.n);
   buffers.shared_blocks = end;
   uint64_t block = 0;
@@ -212,6 +197,7 @@ void allreduce_claimed(AllreduceCall& call, uint64_t step) {
     channel.block_done(end);
   }
   channel.wait_blocks_done(end, call.what);
+  if (zero_copy) call.comm.count_zero_copy();
 }
 
 // The first step of a claimed call: every rank's description with its tensor's address, and no
@@ -237,7 +223,7 @@ bool allreduce_in_node(AllreduceCall& call, bool one_shot) {
     const uint64_t step = arrive(call, b);
     // A peer's tensor lies in its arena and this rank's does not: the peers posted no data, so
     // every rank claims the blocks from here, reading this rank's tensor through the kernel.
-    if (b == 0 && any_peer_in_arena(call, step)) {
+    if (b == 0 && call.comm.any_in_arena(step)) {
       allreduce_claimed(call, step);
       return false;
     }
@@ -373,9 +359,7 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   // A tensor in this rank's arena goes claimed whatever the schedule, its peers read where it
   // lies; a call whose every tensor does copies nothing in or out.
   call.meta.address = reinterpret_cast<uint64_t>(data);
-  if (channel.reachable() == ShmChannel::Reach::Yes) {
-    call.meta.arena = Arena::process().find(data, size_t(numel) * blocks.data_size);
-  }
+  call.meta.arena = comm.arena_place(data, size_t(numel) * blocks.data_size);
   if (schedule == ScheduleChoice::kShared || call.meta.arena.valid()) {
     allreduce_claimed(call, arrive_without_data(call));
     return;

@@ -11,6 +11,8 @@
 namespace ddpx {
 namespace {
 
+// Where the root's data lies in its arena (its first step says so), no block goes through the
+// slots: every other rank copies it from there, and the root waits for them to finish reading.
 void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* data, size_t bytes,
                        int root, const std::string& what) {
   ShmChannel& channel = comm.channel();
@@ -25,9 +27,22 @@ void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* d
     const uint64_t step = comm.exchange(
         mine, first && b == 0,
         [&](char* slot) {
-          if (me == root) k.copy(slot, bytes_at + lo, count, Write::Cached);
+          if (me == root && !mine.arena.valid()) k.copy(slot, bytes_at + lo, count, Write::Cached);
         },
         what);
+    if (first && b == 0 && channel.posted(root, step).arena.valid()) {
+      const char* from = me == root ? bytes_at : comm.peer_arena(root, step);
+      if (me != root) {
+        if (from == nullptr) {
+          channel.read_peer(root, data, channel.posted(root, step).address, bytes, what);
+        } else if (bytes > 0) {
+          k.copy(bytes_at, from, bytes, write);
+        }
+      }
+      comm.finish_reads(step, what);
+      if (from != nullptr) comm.count_zero_copy();
+      return;
+    }
     if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, write);
   }
 }
@@ -57,8 +72,12 @@ void broadcast(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, in
     broadcast_across_nodes(comm, data, bytes, torch_dtype, root, what);
     return;
   }
-  const CallMeta mine =
+  CallMeta mine =
       comm.begin_local(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what, torch_dtype);
+  if (comm.channel().me() == root) {
+    mine.address = reinterpret_cast<uint64_t>(data);
+    mine.arena = comm.arena_place(data, bytes);
+  }
   broadcast_in_node(comm, mine, true, data, bytes, root, what);
 }
 

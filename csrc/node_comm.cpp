@@ -9,6 +9,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "arena.h"
 #include "cross_node.h"
 #include "errors.h"
 
@@ -230,6 +231,38 @@ void NodeComm::across(const char* kind, const std::string& what,
     channel_.fail("ddpx: " + channel_.rank_name(channel_.me()) + ": the " + kind +
                   " across nodes of " + what + " failed: " + error_text(e));
   }
+}
+
+ArenaPlace NodeComm::arena_place(const void* data, size_t bytes) const {
+  if (cross_node_ || channel_.reachable() != ShmChannel::Reach::Yes) return {};
+  return Arena::process().find(data, bytes);
+}
+
+bool NodeComm::all_in_arena(uint64_t step) const {
+  for (int r = 0; r < channel_.size(); ++r) {
+    if (!channel_.posted(r, step).arena.valid()) return false;
+  }
+  return true;
+}
+
+bool NodeComm::any_in_arena(uint64_t step) const {
+  for (int r = 0; r < channel_.size(); ++r) {
+    if (channel_.posted(r, step).arena.valid()) return true;
+  }
+  return false;
+}
+
+char* NodeComm::peer_arena(int rank, uint64_t step) {
+  const ArenaPlace& place = channel_.posted(rank, step).arena;
+  if (!place.valid()) return nullptr;
+  std::string why;
+  char* chunk = Arena::process().peer_chunk(channel_.pid(rank), place, &why);
+  return chunk == nullptr ? nullptr : chunk + place.offset;
+}
+
+void NodeComm::finish_reads(uint64_t step, const std::string& what) {
+  channel_.publish(ShmChannel::Phase::Reduce, step);
+  channel_.wait_all(ShmChannel::Phase::Reduce, step, what);
 }
 
 char* NodeComm::lane_buffer(size_t bytes) {

@@ -6,6 +6,7 @@
 // each; the all-reduce's choice of schedule is one object it holds (schedule.h).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
@@ -37,9 +38,8 @@ constexpr size_t kStreamBytes = size_t(8) << 20;
 
 // What the all-reduce keeps from one call to the next.
 struct AllreduceBuffers {
-  uint64_t shared_blocks = 0;                // the blocks of the shared calls so far
-  std::atomic<uint64_t> zero_copy_calls{0};  // calls whose every rank's tensor lay in its arena
-  std::vector<char> shared_scratch;          // the peers' blocks as the claimer reads them
+  uint64_t shared_blocks = 0;        // the blocks of the shared calls so far
+  std::vector<char> shared_scratch;  // the peers' blocks as the claimer reads them
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums;
 };
@@ -70,9 +70,9 @@ class NodeComm {
   ScheduleChoice& schedule() { return schedule_; }
   const ScheduleChoice& schedule() const { return schedule_; }
   AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
-  uint64_t zero_copy_calls() const {
-    return allreduce_buffers_.zero_copy_calls.load(std::memory_order_relaxed);
-  }
+  // The collectives so far that read every peer's tensor where it lay in its arena.
+  uint64_t zero_copy_calls() const { return zero_copy_calls_.load(std::memory_order_relaxed); }
+  void count_zero_copy() { zero_copy_calls_.fetch_add(1, std::memory_order_relaxed); }
   // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).
   void set_call_timeout(std::chrono::milliseconds timeout) { channel_.set_call_timeout(timeout); }
 
@@ -112,6 +112,20 @@ class NodeComm {
   // What a collective other than the all-reduce trades across nodes, grown as needed.
   char* lane_buffer(size_t bytes);
 
+  // Zero-copy (arena.h). Where [data, data + bytes) lies in this rank's arena, for a call to post
+  // (not valid where the peers could not read it there: a group across nodes, or ranks that cannot
+  // reach each other's memory).
+  ArenaPlace arena_place(const void* data, size_t bytes) const;
+  // What the ranks posted at a call's first step, step: every rank's tensor in its arena, or some.
+  bool all_in_arena(uint64_t step) const;
+  bool any_in_arena(uint64_t step) const;
+  // Local rank `rank`'s posted arena bytes, mapped here; null where the rank posted none or its
+  // chunk cannot be mapped (then its posted address is read through the kernel).
+  char* peer_arena(int rank, uint64_t step);
+  // The end of a call that read peers' tensors where they lie: returns once every rank has
+  // finished reading, so that none writes or frees a tensor a peer still reads.
+  void finish_reads(uint64_t step, const std::string& what);
+
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
   [[noreturn]] void reject(const std::string& reason, const std::string& what);
@@ -133,6 +147,7 @@ class NodeComm {
   std::vector<int> node_ranks_;
   std::vector<char> lane_buffer_;
   AllreduceBuffers allreduce_buffers_;
+  std::atomic<uint64_t> zero_copy_calls_{0};
 };
 
 }  // namespace ddpx

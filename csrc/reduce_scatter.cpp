@@ -14,8 +14,10 @@ namespace ddpx {
 namespace {
 
 // Sums out = the ranks' parts for this rank, each scaled by input_scale into wire, the sum scaled
-// by sum_scale into out_dtype.
-void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
+// by sum_scale into out_dtype. Returns false, having summed nothing, where a call's first step
+// finds that some ranks' inputs lie in their arenas: the ranks then run it again from the next
+// step.
+bool reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
                             const void* const* ins, DType dtype, void* out, DType out_dtype,
                             DType wire, int64_t count, double input_scale, double sum_scale,
                             const std::string& what) {
@@ -46,12 +48,69 @@ void reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
           }
         },
         what);
+    if (first && s == 0 && comm.any_in_arena(step)) return false;
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) {
       srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
     }
     k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
   }
+  return true;
+}
+
+// Every rank's input lies in its arena, its parts one after another: each rank sums its part of
+// every peer's input where it lies (converted into the wire first where the call compresses, as the
+// slots would hold it), then waits for the peers to finish reading its own.
+void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* ins, DType dtype,
+                              void* out, DType wire, int64_t count, const SumRule& rule,
+                              const std::string& what) {
+  ShmChannel& channel = comm.channel();
+  const int n = channel.size(), me = channel.me();
+  const Kernels& k = kernels();
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
+  const size_t mine_at = size_t(me) * size_t(count) * size;  // this rank's part in every input
+  const char* bases[kMaxLocalRanks];
+  for (int r = 0; r < n; ++r) {
+    bases[r] = r == me ? static_cast<const char*>(ins[0]) : comm.peer_arena(r, step);
+  }
+  const bool converted = wire != dtype;
+  const int64_t per = std::max<int64_t>(1, int64_t(channel.layout().block_bytes / size));
+  char* scratch = comm.lane_buffer(size_t(n) * size_t(per) * (size + (converted ? wire_size : 0)));
+  const Write write = size_t(count) * size >= kStreamBytes ? Write::Streaming : Write::Cached;
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t lo = 0; lo < count; lo += per) {
+    const int64_t todo = std::min(per, count - lo);
+    const size_t at = mine_at + size_t(lo) * size;
+    for (int r = 0; r < n; ++r) {
+      const char* raw = bases[r] + at;
+      if (bases[r] == nullptr) {
+        char* copy = scratch + size_t(r) * size_t(per) * size;
+        channel.read_peer(r, copy, channel.posted(r, step).address + at, size_t(todo) * size, what);
+        raw = copy;
+      }
+      srcs[r] = raw;
+      if (converted) {
+        char* wired =
+            scratch + size_t(n) * size_t(per) * size + size_t(r) * size_t(per) * wire_size;
+        k.convert(wired, wire, raw, dtype, todo, rule.input_scale, Write::Cached);
+        srcs[r] = wired;
+      }
+    }
+    k.reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, srcs, n, wire, todo,
+             rule.sum_scale, write);
+  }
+  comm.finish_reads(step, what);
+  if (std::find(bases, bases + n, nullptr) == bases + n) comm.count_zero_copy();
+}
+
+// Whether parts ins[0..n) lie one after another, count elements each.
+bool one_after_another(const void* const* ins, int n, size_t part_bytes) {
+  for (int r = 1; r < n; ++r) {
+    if (static_cast<const char*>(ins[r]) != static_cast<const char*>(ins[0]) + r * part_bytes) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // Local rank r gets the node's sums of the parts of rank r of every node, in the accumulation
@@ -120,8 +179,26 @@ void reduce_scatter(NodeComm& comm, const void* const* ins, void* out, DType dty
       comm.begin_local(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
   mine.wire = int32_t(wire);
   const SumRule rule(dtype, wire, scale);
-  reduce_scatter_in_node(comm, mine, true, ins, dtype, out, dtype, wire, count, rule.input_scale,
-                         rule.sum_scale, what);
+  const int n = comm.channel().size();
+  const size_t part_bytes = size_t(count) * dtype_size(dtype);
+  if (one_after_another(ins, n, part_bytes)) {
+    mine.address = reinterpret_cast<uint64_t>(ins[0]);
+    mine.arena = comm.arena_place(ins[0], size_t(n) * part_bytes);
+  }
+  bool first = true;
+  if (mine.arena.valid()) {
+    const uint64_t step = comm.exchange(mine, true, [](char*) {}, what);
+    if (comm.all_in_arena(step)) {
+      reduce_scatter_in_arenas(comm, step, ins, dtype, out, wire, count, rule, what);
+      return;
+    }
+    first = false;
+  }
+  auto run = [&](bool first_step) {
+    return reduce_scatter_in_node(comm, mine, first_step, ins, dtype, out, dtype, wire, count,
+                                  rule.input_scale, rule.sum_scale, what);
+  };
+  if (!run(first)) run(false);
 }
 
 }  // namespace ddpx
