@@ -2,7 +2,7 @@
 float64 sum, then timed in turns, cell by cell; on a shaped link, the link's bound and ddpx's cost
 model beside each time.
 
-On 2 cores, about 1.5 minutes at the defaults, more with the peers. The peers it compares with,
+On 2 cores, about 1.75 minutes at the defaults, more with the peers. The peers it compares with,
 OpenMPI (through mpi4py) and DeepSpeed, are optional: `pip install -e ".[peers]"`. --quick
 answers in well under a minute with what every install has: 2 ranks, DDP's bucket sizes, gloo,
 ddpx and the copy floor, fewer samples, one launch (its options: `ddpx-bench allreduce --help`);
@@ -17,7 +17,11 @@ header says that it was quick and what the full run is.
 
 In detail: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M, G are powers of
 1024) on each of --world_sizes, by each engine: `gloo` (torch.distributed.all_reduce), `ddpx`
-(ddpx.all_reduce), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
+(ddpx.all_reduce), `ddpx-arena` (ddpx.all_reduce of a tensor that lies in ddpx's arena on every
+rank, made once per size with ddpx._ext.extension().arena_empty: the ranks read each other's
+tensors where they lie, copying nothing in or out; the check copies its random inputs in and the
+sum out, and a call that the engine does not count as zero-copy, in the check or the timing, stops
+the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
 `mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
 `deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
 inference_all_reduce, called directly; its first use compiles it, about a minute, into
@@ -33,7 +37,8 @@ up to 4 MiB; `ddpx-wide`, slices in 4 MiB steps; `ddpx-timed`, local rank 0 timi
 and one-shot per size as it runs. Engines
 that do not work here are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
-simulated nodes as one machine; the fixed schedules with --nodes, which always split).
+simulated nodes as one machine; the fixed schedules with --nodes, which always split;
+`ddpx-arena` with --nodes, where every all-reduce copies through ddpx's buffers).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
 `mpirun --oversubscribe --bind-to none -np W python -m ddpx_bench <the same arguments>` instead of
 torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
@@ -54,7 +59,6 @@ call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/
 an all-reduce, (N-1)/N for an all-to-all or an all-gather). Under a launcher its nodes count.
 """
 
-import contextlib
 import functools
 import importlib.util
 import math
@@ -76,6 +80,7 @@ from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     add_if_it_works,
+    environment,
     format_size,
     mpirun_path,
     node_count,
@@ -108,7 +113,10 @@ SCHEDULES = {
     "ddpx-narrow": ({"schedule": "narrow"}, _NARROW_ACROSS),
     "ddpx-shared": ({"schedule": "shared"}, _NARROW_ACROSS),
 }
-ENGINES = ("gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy", *SCHEDULES)
+# ddpx's all-reduce of a tensor that lies in ddpx's arena on every rank: the zero-copy path.
+ARENA = "ddpx-arena"
+ENGINES = ("gloo", "ddpx", ARENA, "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy",
+           *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 # Set by ddpx-bench for the ranks it starts, once it has built DeepSpeed's op: "" when it built,
 # else why not (so that no rank builds it again).
@@ -151,6 +159,12 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
             engines[name] = dist.all_reduce
         elif name == "copy":
             engines[name] = _CopyFloor()
+        elif name == ARENA:
+            engine, why_not = _arena_engine(nodes)
+            if engine is None:
+                left_out[name] = why_not
+            else:
+                engines[name] = engine
         elif name in peers:
             engine, why_peer_not = peers[name]()
             if engine is None:
@@ -226,7 +240,7 @@ def _deepspeed_engine(nodes: int):
     # The op names its segments after MASTER_ADDR and MASTER_PORT: a name of this run's own.
     run = [f"ddpx-bench-{os.getpid()}"]
     dist.broadcast_object_list(run, src=0)
-    with _environment(LOCAL_SIZE=str(world_size), MASTER_ADDR=run[0], MASTER_PORT="0"):
+    with environment(LOCAL_SIZE=str(world_size), MASTER_ADDR=run[0], MASTER_PORT="0"):
         op.initialize(world_size, rank)  # creates this rank's segment, maps every rank's
     dist.barrier()
     # Every rank has mapped every segment: unlink them now, so that no run leaves any behind.
@@ -271,19 +285,97 @@ def _build_deepspeed_op():
     return op, why_not
 
 
-@contextlib.contextmanager
-def _environment(**values: str):
-    """Set these environment variables for the `with` block only."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
+def _arena_engine(nodes: int):
+    """The `ddpx-arena` engine, once it has reduced a small arena tensor zero-copy on every rank;
+    or None and why it cannot run here (the same on every rank)."""
+    if nodes > 1:
+        return None, "across nodes ddpx's all-reduce copies through its buffers: no zero-copy"
+    world = engine_for()
+    why_not = ""
+    if not isinstance(world, extension().ShmEngine):
+        why_not = f"ddpx has no shared-memory engine here, so no arena ({world.describe()})"
+    elif not extension().arena_usage()["usable"]:
+        why_not = f"ddpx's arena cannot be made here: {extension().arena_usage()['why_not']}"
+    reasons = [""] * dist.get_world_size()
+    dist.all_gather_object(reasons, why_not)
+    why_not = next((why for why in reasons if why), "")
+    if why_not:
+        return None, why_not
+    engine = _ArenaAllreduce()
     try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
+        # Where the ranks cannot reach each other's memory (ptrace rules), arena tensors are
+        # reduced the copy way: the engine says why in its description.
+        engine.check(torch.zeros(8), "probing")
+    except _NotZeroCopy as exc:
+        return None, f"ddpx's all-reduce of arena tensors copies here ({exc}; {world.describe()})"
+    return engine, ""
+
+
+class _NotZeroCopy(RuntimeError):
+    """A ddpx-arena call that ddpx's engine did not count as zero-copy, raised on every rank."""
+
+
+class _ArenaAllreduce:
+    """The `ddpx-arena` engine: ddpx.all_reduce of a tensor in ddpx's arena on every rank, which
+    the ranks sum reading each other's tensors where they lie, copying nothing in or out.
+
+    It reduces a tensor of its own, made with arena_empty once per size (and dtype) of the tensor
+    it is called with, which it leaves untouched: the timed calls never copy. A new tensor is
+    zeroed (repeated in-place sums of zeros stay finite) and reduced once, so that every peer has
+    mapped its chunk (a peer maps a chunk in the first call that names it) before a call counts.
+    `check` reduces given data through it; `require_zero_copy` raises unless the engine counted
+    every call since as zero-copy.
+    """
+
+    def __init__(self):
+        self.engine = engine_for()
+        self.tensor = torch.empty(0)
+        self.calls = 0  # of __call__, for require_zero_copy
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        if self.tensor.numel() != tensor.numel() or self.tensor.dtype != tensor.dtype:
+            self._make(tensor)
+        ddpx.all_reduce(self.tensor)
+        self.calls += 1
+
+    def _make(self, like: torch.Tensor) -> None:
+        self.tensor = torch.empty(0)  # the previous size's back to the arena first
+        tensor = extension().arena_empty(like.numel(), like.dtype).zero_()
+        ddpx.all_reduce(tensor)
+        self.tensor = tensor
+
+    def counts(self) -> tuple[int, int]:
+        """(the engine's zero-copy calls, this engine's calls) so far, for require_zero_copy."""
+        return self.engine.zero_copy_calls, self.calls
+
+    def check(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum `tensor` in place over the ranks through the arena tensor of its size (copied into
+        it and back out: checked, not timed), which is zeroed again after; raise on every rank
+        unless the call went zero-copy."""
+        if self.tensor.numel() != tensor.numel() or self.tensor.dtype != tensor.dtype:
+            self._make(tensor)
+        self.tensor.copy_(tensor)
+        counts = self.counts()
+        self(self.tensor)
+        self.require_zero_copy(counts, what)
+        tensor.copy_(self.tensor)
+        self.tensor.zero_()
+
+    def require_zero_copy(self, counts: tuple[int, int], what: str) -> None:
+        """Raise on every rank unless the engine counted each of this engine's calls since
+        `counts` (of counts()) as zero-copy on every rank: a row labelled ddpx-arena never times
+        the copy path."""
+        zero_copy, calls = self.engine.zero_copy_calls - counts[0], self.calls - counts[1]
+        fewest = torch.tensor([zero_copy - calls], dtype=torch.float64)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+        if fewest.item() < 0:
+            holds = extension().arena_holds(self.tensor)
+            raise _NotZeroCopy(
+                f"{ARENA}: {what}: an all-reduce of arena tensors went the copy path on some rank "
+                f"(this rank: {zero_copy} zero-copy of {calls} calls; its tensor "
+                f"{'lies' if holds else 'does not lie'} in its arena; arena "
+                f"{extension().arena_usage()})"
+            )
 
 
 class _CopyFloor:
@@ -300,7 +392,11 @@ class _CopyFloor:
 
 def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[dict]:
     errors = _check_engines(size, engines, args.seed, count_bytes=nodes > 1)
+    arena = engines.get(ARENA)
+    counts = arena.counts() if arena else None
     samples, calls, cpu = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
+    if arena:
+        arena.require_zero_copy(counts, f"timing {cell}")
     rows = []
     for name in engines:
         stats = slowest_rank_stats(samples[name])
@@ -343,7 +439,10 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
             continue
         result = mine.clone()
         sent = _cross_node_bytes() if count_bytes and name.startswith("ddpx") else None
-        engine(result)
+        if isinstance(engine, _ArenaAllreduce):
+            engine.check(result, f"checking {format_size(size)} on {world_size} ranks")
+        else:
+            engine(result)
         if sent is not None:
             sent = _cross_node_bytes() - sent
         error = torch.tensor([(result.double() - reference).abs().max().item()])

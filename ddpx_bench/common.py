@@ -1,6 +1,7 @@
 """What the benchmark's modules share: the peers, the dtype each engine, hook and method sends
 in, and the helpers that the ranks of every mode run alike."""
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ WIRE = {
     "deepspeed": None,
     "copy": None,
     "ddpx": None,
+    "ddpx-arena": None,
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
     "ddpx-oneshot": None,
@@ -42,6 +44,21 @@ MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
 
 def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Set these environment variables for the `with` block only."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def mpirun_path() -> str | None:

@@ -141,8 +141,8 @@ def check_allreduce_row(row: dict, gloo: dict) -> None:
 
 
 def test_allreduce(tmp_path):
-    engines = ["gloo", "ddpx", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot", "ddpx-wide",
-               "ddpx-timed"]
+    engines = ["gloo", "ddpx", "ddpx-arena", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot",
+               "ddpx-wide", "ddpx-timed"]
     sizes = [4096, 1024 * 1024]  # 1 MiB: four narrow steps or one wide one
     options = "--sizes 4K,1M --iters 3 --min_time 0.05 --warmup 1".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))
@@ -157,6 +157,9 @@ def test_allreduce(tmp_path):
     assert "x vs gloo" in stdout and "x vs best peer" in stdout
     if ddpx_built():
         assert re.search(r"note: ddpx on 2 ranks: .*one-shot up to 32 KiB", stdout), stdout
+        # Measured on tensors in ddpx's arena, every call zero-copy (or the run had stopped).
+        assert "ddpx-arena" in measured, document["left_out"]
+        assert re.search(r"note: ddpx on 2 ranks: .* [1-9][0-9]* zero-copy all-reduces", stdout)
     assert "load: none (idle)" in stdout
     assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
@@ -432,10 +435,11 @@ def test_load_and_ranks_die_with_a_killed_bench(tmp_path):
 def test_allreduce_on_two_simulated_nodes_counts_the_bytes_between_them(tmp_path):
     options = "--sizes 64K --iters 2 --min_time 0.05 --warmup 1 --nodes 2".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines",
-                                 "gloo,ddpx,ddpx-bf16", world_sizes="4")
+                                 "gloo,ddpx,ddpx-bf16,ddpx-arena", world_sizes="4")
 
     rows = {row["engine"]: row for row in document["rows"]}
     assert sorted(rows) == ["ddpx", "ddpx-bf16", "gloo"]
+    assert "no zero-copy" in document["left_out"]["ddpx-arena"]  # across nodes ddpx copies
     assert all(row["nodes"] == 2 for row in rows.values())
     assert rows["gloo"]["inter_node_bytes"] is None
     # Each node sends its float32 sum across once; compressed, in 2-byte elements (padded by at
