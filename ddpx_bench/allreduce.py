@@ -52,7 +52,8 @@ out). In each cell (world size, size):
     and the engines take turns sample by sample so that they share the machine's conditions.
 Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9,
 x vs gloo = gloo's median / the engine's median (bigger is faster), and x vs best peer = the
-fastest peer's median (of gloo, mpi and deepspeed, those that ran) / the engine's. With --nodes N
+fastest peer's median (of gloo, mpi and deepspeed, those that ran) / the engine's, and / floor =
+the engine's median / copy's (where copy ran; below 1 moves less memory than a copy). With --nodes N
 the spawned ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces
 hierarchically as on N machines, and the table adds the bytes ddpx's engines sent across nodes per
 call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for
@@ -417,10 +418,12 @@ def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[d
     gloo = next((row["median_ms"] for row in rows if row["engine"] == "gloo"), None)
     peers = {row["engine"]: row["median_ms"] for row in rows if row["engine"] in PEERS}
     best_peer = min(peers, key=peers.get, default=None)
+    floor = next((row["median_ms"] for row in rows if row["engine"] == "copy"), None)
     for row in rows:
         row["x_vs_gloo"] = gloo / row["median_ms"] if gloo else None
         row["best_peer"] = best_peer
         row["x_vs_best_peer"] = peers[best_peer] / row["median_ms"] if best_peer else None
+        row["x_floor"] = row["median_ms"] / floor if floor else None
     return rows
 
 
@@ -498,10 +501,12 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
     runs = rows[0].get("runs")
     inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
     linked = any("link" in row for row in rows)
+    floored = any(row.get("x_floor") is not None for row in rows)
     header = (
         (f"{'link':>7}  " if linked else "")
         + f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
         f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
+        + (f"  {'/ floor':>7}" if floored else "")
         + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
         + (f"  {'inter-node MB/call':>18}" if inter_node else "")
         + f"  {'CPU busy/si %':>13}"
@@ -514,6 +519,7 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
             + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
             f"{row['median_ms']:>10.3f}  {format_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
             f"{format_ratio(row['x_vs_gloo']):>9}  {format_ratio(row.get('x_vs_best_peer')):>14}"
+            + (f"  {format_ratio(row.get('x_floor')):>7}" if floored else "")
             + (f"  {format_ms(row.get('bound_ms')):>9}  {format_ratio(row.get('x_bound')):>7}  "
                f"{format_ms(row.get('model_ms')):>9}  {format_ratio(row.get('x_model')):>7}"
                if linked else "")
@@ -537,6 +543,9 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
     peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
     if peers:
         lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
+    if floored:
+        lines.append("/ floor: the engine / copy in the cell (1.00: as long as every rank copying "
+                     "its tensor once; below: less memory traffic, as where nothing is copied)")
     nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
     if nodes:
         split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())

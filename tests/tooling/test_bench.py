@@ -124,14 +124,19 @@ def check_times(row: dict) -> None:
     assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
 
 
-def check_allreduce_row(row: dict, gloo: dict) -> None:
-    """An allreduce row beside gloo's of its cell, gloo the only peer: its figures agree with its
-    times, and its sum was within the tolerance (the floor's is not checked)."""
+def check_allreduce_row(row: dict, gloo: dict, copy: dict | None = None) -> None:
+    """An allreduce row beside gloo's of its cell, gloo the only peer, and copy's where it ran:
+    its figures agree with its times, and its sum was within the tolerance (the floor's is not
+    checked)."""
     check_times(row)
     assert row["gb_per_s"] == pytest.approx(row["size_bytes"] / row["median_ms"] / 1e6)
     assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
     assert row["best_peer"] == "gloo"
     assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
+    if copy is None:
+        assert row["x_floor"] is None
+    else:
+        assert row["x_floor"] == pytest.approx(row["median_ms"] / copy["median_ms"])
     if row["cpu_busy"] is not None:  # None: samples shorter than /proc/stat's 10 ms tick
         assert 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
     if row["engine"] == "copy":  # the floor is timed, not checked
@@ -153,8 +158,8 @@ def test_allreduce(tmp_path):
     assert sorted(rows) == sorted((size, engine) for size in sizes for engine in measured)
     for (size, _), row in rows.items():
         assert row["world_size"] == 2
-        check_allreduce_row(row, rows[size, "gloo"])
-    assert "x vs gloo" in stdout and "x vs best peer" in stdout
+        check_allreduce_row(row, rows[size, "gloo"], rows[size, "copy"])
+    assert "x vs gloo" in stdout and "x vs best peer" in stdout and "/ floor" in stdout
     if ddpx_built():
         assert re.search(r"note: ddpx on 2 ranks: .*one-shot up to 32 KiB", stdout), stdout
         # Measured on tensors in ddpx's arena, every call zero-copy (or the run had stopped).
@@ -226,7 +231,7 @@ def test_allreduce_quick_measures_what_it_promises_and_says_it_was_quick(tmp_pat
     assert list(rows) == [(2, size, engine) for size in QUICK_SIZES for engine in measured]
     for (_, size, _), row in rows.items():
         assert row["samples"] == 10
-        check_allreduce_row(row, rows[2, size, "gloo"])
+        check_allreduce_row(row, rows[2, size, "gloo"], rows[2, size, "copy"])
     table = [line.split()[:3] for line in lines if line.split()[:1] == ["2"]]
     assert table == [["2", size, engine] for size in ("64K", "1M", "25M") for engine in measured]
 
@@ -242,7 +247,7 @@ def test_allreduce_quick_takes_the_options_given_beside_it(tmp_path):
     assert list(rows) == [(2, 4096, engine) for engine in measured]
     for row in rows.values():
         assert row["samples"] == 3
-        check_allreduce_row(row, rows[2, 4096, "gloo"])
+        check_allreduce_row(row, rows[2, 4096, "gloo"], rows[2, 4096, "copy"])
 
 
 def test_quick_is_its_options_and_an_option_given_beside_it_wins(capsys):
