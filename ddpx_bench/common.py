@@ -31,6 +31,8 @@ WIRE = {
     "ddpx-shared": None,
     "default": None,
     "none": None,
+    "backend": None,
+    "backend-mem": None,
     "fp16": "fp16",
     "bf16": "bf16",
     "torch-fp16": "fp16",

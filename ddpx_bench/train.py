@@ -1,16 +1,27 @@
 """`ddpx-bench train`: DDP training steps of one MLP per comm hook, taking turns step by step,
 timed on the slowest rank; the final parameters checked across ranks and against DDP's default.
 
-About 2.5 minutes on 2 cores at the defaults.
+About 3 minutes on 2 cores at the defaults.
 
     ddpx-bench train --json bench_out/train.json --plot bench_out/train.png
     ddpx-bench train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
+    ddpx-bench train --world_sizes 2 --comm_hooks default,backend,backend-mem --params 2M
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
 all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
-NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook), and
+NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook),
+`backend` and `backend-mem` (DDP's own all-reduce, no hook, on a group of every rank made with
+ddpx's backend, each with its own; gradient_as_bucket_view, so each .grad is a view of its bucket:
+`backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out
+of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the buckets in ddpx's arena, which it
+reduces where they lie, zero-copy; the variable is set while DDP makes its buckets, at
+construction and at their rebuild in the second step's forward, and put back after; a step
+after which a gradient lies elsewhere than its bucket should stops the run, and the table says how
+many all-reduces the engine ran zero-copy: some with the arena and none without, else exit status
+1; `backend-mem` is left out where the backend allocates no tensors: across nodes, or without an
+arena), and
 `none`, which is not a way to train: a hook that communicates nothing (each rank keeps its own
 gradients), the step's floor that any hook's time is read against (it is timed, not checked). The
 models start from the same seed, see the same data and take turns step by step; a sample is one
@@ -32,10 +43,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
+from ddpx._ext import extension
 from ddpx.models import MLP
 from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
+    environment,
     node_count,
     same_on_all_ranks,
     slowest_rank_stats,
@@ -52,7 +65,11 @@ from ddpx_bench.report import (
     tcp_line,
 )
 
-COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "none")
+COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "backend", "backend-mem",
+              "none")
+# DDP's own all-reduce on a group with ddpx's backend, its buckets in ordinary memory or in ddpx's
+# arena (comm memory): hook name -> whether comm memory is on.
+BACKEND_HOOKS = {"backend": False, "backend-mem": True}
 # How many roundings the final parameters of a hook may differ from the default hook's by.
 PARAM_TOLERANCE_ROUNDINGS = 64
 
@@ -74,6 +91,13 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) ->
     device = next(initial.parameters()).device
     models = {}
     for name in hooks:
+        if name in BACKEND_HOOKS:
+            entry, why_not = _backend_model(initial, BACKEND_HOOKS[name])
+            if entry is None:
+                left_out[name] = why_not
+            else:
+                models[name] = entry
+            continue
         model = DDP(copy.deepcopy(initial),
                     device_ids=[device.index] if device.type == "cuda" else None)
         try:
@@ -83,6 +107,65 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) ->
         except (NotImplementedError, TypeError) as exc:
             left_out[name] = str(exc)
     return models
+
+
+class _BackendDDP(DDP):
+    """DDP with its own all-reduce, over a group of every rank with ddpx's backend, each .grad a
+    view of its bucket (gradient_as_bucket_view); the buckets in ddpx's arena (`comm_memory`,
+    DDP_DISABLE_COMM_MEM=0: ddpx's all-reduce reads the peers' buckets where they lie) or in
+    ordinary memory (DDP_DISABLE_COMM_MEM=1: it copies them through its buffers).
+
+    DDP reads DDP_DISABLE_COMM_MEM whenever it allocates its buckets: when it is made, and when it
+    rebuilds them in the order the gradients came, in the second step's forward. So the variable
+    is set around both, as around every forward, and put back after; `check_buckets` raises
+    unless every gradient lies where the buckets should."""
+
+    def __init__(self, module: torch.nn.Module, group, comm_memory: bool):
+        with environment(DDP_DISABLE_COMM_MEM="0" if comm_memory else "1"):
+            super().__init__(module, process_group=group, gradient_as_bucket_view=True)
+        self.comm_memory = comm_memory
+
+    def forward(self, *inputs, **kwargs):
+        with environment(DDP_DISABLE_COMM_MEM="0" if self.comm_memory else "1"):
+            return super().forward(*inputs, **kwargs)
+
+    def check_buckets(self, step: int) -> None:
+        """Raise unless every gradient lies in ddpx's arena with comm memory, none without."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        held = sum(extension().arena_holds(grad) for grad in grads)
+        if held != (len(grads) if self.comm_memory else 0):
+            where = "in ddpx's arena" if self.comm_memory else "in ordinary memory"
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: after step {step + 1}, {held} of {len(grads)} gradients "
+                f"lie in ddpx's arena, but DDP's buckets should lie {where} (arena "
+                f"{extension().arena_usage()})"
+            )
+
+
+def _backend_model(initial: torch.nn.Module, comm_memory: bool):
+    """(a _BackendDDP copy of `initial` on a new group of every rank with ddpx's backend, what it
+    does); or None and why it cannot run here. Each has a group, so its engine counts its own
+    calls."""
+    if next(initial.parameters()).device.type != "cpu":
+        return None, "ddpx's backend serves CPU tensors"
+    if "ddpx" not in dist.Backend.backend_list:
+        return None, "this build of ddpx registers no torch.distributed backend 'ddpx'"
+    group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
+    why_not = ""
+    if comm_memory and not ddpx.backend_of(group).supports_tensor_alloc(torch.device("cpu")):
+        why_not = ("ddpx's backend allocates no tensors here: " + (
+            extension().arena_usage()["why_not"]
+            or "its ranks span nodes, or share no memory (it runs on gloo)"))
+    reasons = [""] * dist.get_world_size()
+    dist.all_gather_object(reasons, why_not)  # every rank leaves it out, or none
+    why_not = next((why for why in reasons if why), "")
+    if why_not:
+        return None, why_not
+    model = _BackendDDP(copy.deepcopy(initial), group, comm_memory)
+    where = "ddpx's arena" if comm_memory else "ordinary memory"
+    flag = "0" if comm_memory else "1"
+    return (model, f"DDP's all-reduce on a ddpx group, buckets in {where} "
+                   f"(DDP_DISABLE_COMM_MEM={flag}), gradient_as_bucket_view"), ""
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
@@ -130,6 +213,8 @@ def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tens
     optimizer.zero_grad()
     model(batches[index % len(batches)]).square().mean().backward()
     optimizer.step()
+    if isinstance(model, _BackendDDP):
+        model.check_buckets(index)  # a few lookups in the arena's map: microseconds
 
 
 def _train_rows(initial, models: dict, samples: dict, args, failures: list[str]) -> list[dict]:
@@ -148,6 +233,8 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
             "steps": args.warmup + args.steps,
             **slowest_rank_stats(samples[name]),
         }
+        if isinstance(model, _BackendDDP):
+            row.update(_zero_copy(model, failures, name))
         rows.append(row)
         if name not in checked:
             continue
@@ -164,6 +251,18 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     for row in rows:
         row["x_vs_default"] = default_ms / row["median_ms"] if default_ms else None
     return rows
+
+
+def _zero_copy(model: "_BackendDDP", failures: list[str], name: str) -> dict:
+    """This rank's all-reduces on the model's group over the run, and how many of them ddpx's
+    engine ran zero-copy: some with comm memory (not the first on a new bucket, which the peers map
+    during it), none without; else a failure."""
+    backend = ddpx.backend_of(model.process_group)
+    calls = backend.routes().get("all_reduce", {}).get("engine", 0)
+    zero_copy = backend.engine.zero_copy_calls if backend.engine is not None else 0
+    if (zero_copy > 0) != model.comm_memory:
+        failures.append(f"{name}: {zero_copy} of {calls} all-reduces zero-copy")
+    return {"all_reduces": calls, "zero_copy_calls": zero_copy}
 
 
 def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
@@ -194,7 +293,7 @@ def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 def _train_table(rows: list[dict]) -> list[str]:
     runs = rows[0].get("runs")
     header = (
-        f"{'world':>5}  {'hook':<10}  {'median ms':>10}  {'p10-p90 ms':>13}  {'x vs default':>12}  "
+        f"{'world':>5}  {'hook':<11}  {'median ms':>10}  {'p10-p90 ms':>13}  {'x vs default':>12}  "
         + (f"{'worst ms':>9}  {'worst x':>7}  " if runs else "")
         + f"{'max |diff|':>10}  {'tolerance':>9}  path"
     )
@@ -206,11 +305,13 @@ def _train_table(rows: list[dict]) -> list[str]:
             else f"{'':>21}"
         )
         lines.append(
-            f"{row['world_size']:>5}  {row['hook']:<10}  {row['median_ms']:>10.1f}  "
+            f"{row['world_size']:>5}  {row['hook']:<11}  {row['median_ms']:>10.1f}  "
             f"{format_spread(row, 1):>13}  {format_ratio(row['x_vs_default']):>12}  "
             + (f"{row['worst_median_ms']:>9.1f}  {format_ratio(row.get('worst_x_vs_default')):>7}  "
                if runs else "")
             + f"{diff}  {row['describe']}"
+            + (f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
+               if "zero_copy_calls" in row else "")
         )
     lines.append(
         f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "

@@ -623,7 +623,7 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    hooks = ["default", "fp16", "ddpx", "ddpx-bf16", "none"]
+    hooks = ["default", "fp16", "ddpx", "ddpx-bf16", "backend", "backend-mem", "none"]
     options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
     document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(hooks))
 
@@ -641,6 +641,13 @@ def test_train(tmp_path):
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
     assert "x vs default" in stdout
+    if ddpx_backend_registered():
+        # DDP's own all-reduce on ddpx's backend: its buckets in ordinary memory, none of its
+        # all-reduces zero-copy; in ddpx's arena, some (the first on a new bucket maps it).
+        assert rows["backend"]["zero_copy_calls"] == 0 < rows["backend"]["all_reduces"]
+        mem = rows["backend-mem"]
+        assert 0 < mem["zero_copy_calls"] <= mem["all_reduces"] == rows["backend"]["all_reduces"]
+        assert re.search(r" backend-mem .* arena .* of \d+ all-reduces zero-copy", stdout), stdout
 
 
 @pytest.mark.slow
