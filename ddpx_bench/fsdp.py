@@ -1,11 +1,11 @@
 """`ddpx-bench fsdp`: FSDP2 training steps (fully_shard per layer and root) of one small
-transformer over the gloo world and one over a group of the same ranks with ddpx's backend, per
-precision, taking turns step by step, timed on the slowest rank; the two models' parameters
-compared after the warm-up, and the calls ddpx's backend served by its engine and by gloo (its
-routes()).
+transformer over the gloo world and over groups of the same ranks with ddpx's backend, FSDP2's
+buffers in ordinary memory and in ddpx's arena, per precision, taking turns step by step, timed on
+the slowest rank; the models' parameters compared with the gloo model's after the warm-up, and the
+calls ddpx's backend served by its engine and by gloo (its routes()).
 
-About 3 minutes on 2 cores at the defaults (its bf16 cells, not run by default, about an hour on
-AVX2 cores: see below).
+About 4 minutes on 2 cores at the defaults (its bf16 cells, not run by default, about an hour
+and a half on AVX2 cores: see below).
 
     ddpx-bench fsdp --json bench_out/fsdp.json --plot bench_out/fsdp.png
     ddpx-bench fsdp --world_sizes 2 --precisions fp32 --params 2M --steps 5
@@ -16,13 +16,19 @@ transformer: --layers (default 8) post-norm torch.nn.TransformerEncoderLayer of 
 heads, feed-forward 4 x d_model and no dropout, and a linear head, d_model the multiple of 8 x
 --heads that comes nearest to --params parameters in all (default 25M: d_model 512, 25.5M), on
 --batch_size (default 8) sequences of --seq_len (default 64) random tokens per rank, against random
-targets (mean squared error). fully_shard shards each layer and the root once over the gloo world
-and once over a group of the same ranks with ddpx's backend (dist.new_group(ranks, backend="ddpx")),
-in the same processes, from the same parameters on the same data, for each of --precisions (default
-fp32): `fp32`, and `bf16` (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-reduce_dtype=torch.bfloat16): bfloat16 gathers of the parameters, compute and reduce-scatters of the
-gradients, float32 sharded parameters for AdamW). In each cell (world size, precision):
-  - both models take --warmup steps (default 2), then the ddpx model's parameters are compared
+targets (mean squared error). fully_shard shards each layer and the root over the gloo world
+(`gloo`) and over two groups of the same ranks with ddpx's backend (dist.new_group(ranks,
+backend="ddpx")), in the same processes, from the same parameters on the same data: `ddpx`, whose
+FSDP2 takes the buffers of its all-gathers and reduce-scatters from torch.empty, as by default, and
+`ddpx-mem`, whose FSDP2 takes them from the group's backend, ddpx's arena
+(set_allocate_memory_from_process_group_for_comm(True) on every module; the all-gathers and
+reduce-scatters still copy; after the warm-up the arena must hold memory on every rank, else the
+run stops; left out where the backend allocates no tensors: across nodes, or without an arena).
+For each of --precisions (default fp32): `fp32`, and `bf16`
+(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16): bfloat16 gathers of
+the parameters, compute and reduce-scatters of the gradients, float32 sharded parameters for
+AdamW). In each cell (world size, precision):
+  - every model takes --warmup steps (default 2), then each ddpx model's parameters are compared
     with the gloo model's. fp32: max |diff| at most a tenth of lr x --warmup, the furthest AdamW
     can move a parameter in the warm-up (a wrong reduction moves them about that far apart; gloo's
     and ddpx's roundings, which differ at 3+ ranks, much less; at 2 ranks they give the same
@@ -31,13 +37,14 @@ gradients, float32 sharded parameters for AdamW). In each cell (world size, prec
     vector) have cosine at least 0.98. Models that are apart stop the run with exit status 1;
   - then --steps timed steps each (default 10), the models taking turns step by step; a sample is
     one step on the slowest rank, started right after a barrier.
-Reported per cell: each group's median ms per step; gloo/ddpx = gloo's median / ddpx's (bigger:
-ddpx faster); the comparison after the warm-up (same bits, max |diff| or cosine); which path served
-the ddpx backend's calls of the cell, from its routes() (FSDP2's all_gather_into_tensor and
-reduce_scatter_tensor, the comparison's all_gather_into_tensor_coalesced). The JSON holds p10-p90,
-the counts and the comparison's numbers. A CPU without bfloat16 instructions (AVX512-BF16, AMX)
+Reported per cell and group: its median ms per step; x vs gloo = gloo's median / the group's
+(bigger: faster than gloo); the comparison after the warm-up (same bits, max |diff| or cosine);
+which path served the calls of the cell of the group's ddpx backend, from its routes() (FSDP2's
+all_gather_into_tensor and reduce_scatter_tensor, the comparison's
+all_gather_into_tensor_coalesced). The JSON holds p10-p90, the counts and the comparison's
+numbers. A CPU without bfloat16 instructions (AVX512-BF16, AMX)
 multiplies bfloat16 matrices far more slowly than float32 ones (AVX2: about 200 times), so there
-the bf16 cells time mostly the compute. Where ddpx registers no backend, its column is left out
+the bf16 cells time mostly the compute. Where ddpx registers no backend, its groups are left out
 with a note.
 """
 
@@ -54,6 +61,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ddpx._ext import extension
 from ddpx_bench.common import (
     ddpx_group,
     node_count,
@@ -83,6 +91,10 @@ POLICIES = {
 # they get is rounding noise, which Adam turns into moves that differ between any two runs that
 # round differently.
 FP32_TOLERANCE_OF_ADAM_MOVE = 0.1
+# The groups with ddpx's backend: whether FSDP2 takes the buffers of its all-gathers and
+# reduce-scatters from the group's backend, ddpx's arena (set_allocate_memory_from_process_group_
+# for_comm), or from torch.empty as by default.
+COMM_MEMORY = {"ddpx": False, "ddpx-mem": True}
 # bf16: the least cosine between the two models' updates (parameters after the warm-up minus
 # before, all of them as one vector). bfloat16 gradients differ elementwise by up to Adam's step
 # at 3+ ranks, but the update keeps its direction: tests/test_fsdp.py measured 0.999 between the
@@ -120,13 +132,14 @@ class Transformer(nn.Module):
 def bench_fsdp(args) -> dict:
     left_out, notes = {}, []
     world_size, nodes = dist.get_world_size(), node_count()
-    group, backend = ddpx_group(left_out)
     # DeviceMesh equality ignores the process group: two meshes of the same ranks alike but for
     # their groups compare equal, and DTensor's caches would then mix them up. Names tell them
     # apart.
     meshes = {"gloo": DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("gloo",))}
-    if group is not None:
-        meshes["ddpx"] = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("ddpx",))
+    groups = _ddpx_groups(left_out)
+    for name, (group, _) in groups.items():
+        meshes[name] = DeviceMesh.from_group(group, "cpu", mesh_dim_names=(name,))
+    backends = {name: backend for name, (_, backend) in groups.items()}
     torch.manual_seed(args.seed)
     initial = Transformer.with_params(args.params, args.heads, args.layers)
     batches = _batches(initial.d_model, args)
@@ -137,11 +150,39 @@ def bench_fsdp(args) -> dict:
             f"{cell} (cell {index + 1}/{len(args.precisions)}): sharding {', '.join(meshes)}; "
             f"{time.perf_counter() - started:.0f} s elapsed"
         )
-        rows += _bench_cell(initial, meshes, backend, batches, precision, args, cell, nodes)
+        rows += _bench_cell(initial, meshes, backends, batches, precision, args, cell, nodes)
         gc.collect()  # the cell's models and optimizers, before the next cell's
-    if backend is not None:
-        notes.append(f"ddpx backend on {world_size} ranks: {backend.describe()}")
+    if "ddpx" in backends:
+        notes.append(f"ddpx backend on {world_size} ranks: {backends['ddpx'].describe()}")
+    if "ddpx-mem" in backends:
+        usage = extension().arena_usage()
+        notes.append(f"ddpx-mem: FSDP2's buffers from ddpx's arena, which holds {usage['chunks']} "
+                     f"chunks, {usage['bytes'] >> 10} KiB on rank 0")
     return {"rows": rows, "left_out": left_out, "notes": notes, "failures": []}
+
+
+def _ddpx_groups(left_out: dict) -> dict:
+    """name -> (group, backend) for each of COMM_MEMORY that works here, each a group of every
+    rank with ddpx's backend of its own (its routes() count its own calls); why the others do not
+    goes in `left_out`, alike on every rank."""
+    group, backend = ddpx_group(left_out)
+    if group is None:
+        left_out["ddpx-mem"] = left_out["ddpx"]
+        return {}
+    groups = {"ddpx": (group, backend)}
+    why_not = ""
+    if not backend.supports_tensor_alloc(torch.device("cpu")):
+        why_not = ("ddpx's backend allocates no tensors here: " + (
+            extension().arena_usage()["why_not"]
+            or "its ranks span nodes, or share no memory (it runs on gloo)"))
+    reasons = [""] * dist.get_world_size()
+    dist.all_gather_object(reasons, why_not)
+    why_not = next((why for why in reasons if why), "")
+    if why_not:
+        left_out["ddpx-mem"] = why_not
+    else:
+        groups["ddpx-mem"] = ddpx_group(left_out)
+    return groups
 
 
 def _batches(d_model: int, args, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -155,12 +196,18 @@ def _batches(d_model: int, args, count: int = 4) -> list[tuple[torch.Tensor, tor
     ]
 
 
-def _sharded(initial: Transformer, mesh: DeviceMesh, precision: str) -> Transformer:
-    """A copy of `initial` with fully_shard on each layer and on the root, over `mesh`."""
+def _sharded(initial: Transformer, mesh: DeviceMesh, precision: str,
+             comm_memory: bool | None = None) -> Transformer:
+    """A copy of `initial` with fully_shard on each layer and on the root, over `mesh`; with
+    `comm_memory` given, each takes its communication buffers from the group's backend (True) or
+    not (False)."""
     model = copy.deepcopy(initial)
     for layer in model.encoder.layers:
         fully_shard(layer, mesh=mesh, mp_policy=POLICIES[precision])
     fully_shard(model, mesh=mesh, mp_policy=POLICIES[precision])
+    if comm_memory is not None:
+        for module in [*model.encoder.layers, model]:
+            module.set_allocate_memory_from_process_group_for_comm(comm_memory)
     return model
 
 
@@ -171,22 +218,26 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list, ind
     optimizer.step()
 
 
-def _bench_cell(initial: Transformer, meshes: dict, backend, batches: list, precision: str, args,
-                cell: str, nodes: int) -> list[dict]:
+def _bench_cell(initial: Transformer, meshes: dict, backends: dict, batches: list,
+                precision: str, args, cell: str, nodes: int) -> list[dict]:
     world_size = dist.get_world_size()
-    served_before = backend.routes() if backend is not None else None
-    models = {name: _sharded(initial, mesh, precision) for name, mesh in meshes.items()}
+    served_before = {name: backend.routes() for name, backend in backends.items()}
+    models = {name: _sharded(initial, mesh, precision, COMM_MEMORY.get(name))
+              for name, mesh in meshes.items()}
     steps = {
         name: functools.partial(_step, model, torch.optim.AdamW(model.parameters(), lr=args.lr),
                                 batches)
         for name, model in models.items()
     }
     steps_in_turns(steps, range(args.warmup), f"{cell}, warm-up")
-    check = {}
-    if "ddpx" in models:
-        check = _check(initial, models, precision, args.warmup, args.lr, cell)
+    checks = {name: _check(initial, models, name, precision, args.warmup, args.lr, cell)
+              for name in backends}
+    if "ddpx-mem" in models:
+        _require_arena(cell)
     samples = steps_in_turns(steps, range(args.warmup, args.warmup + args.steps), cell)
-    routes = routes_since(served_before, backend.routes()) if "ddpx" in models else None
+    routes = {name: routes_since(served_before[name], backend.routes())
+              for name, backend in backends.items()}
+    no_check = dict.fromkeys(next(iter(checks.values()), {}))
     rows = []
     for name in models:
         rows.append(
@@ -195,6 +246,8 @@ def _bench_cell(initial: Transformer, meshes: dict, backend, batches: list, prec
                 "nodes": nodes,
                 "precision": precision,
                 "engine": name,
+                # FSDP2's buffers from the group's backend, ddpx's arena (None: gloo's, default).
+                "comm_memory": COMM_MEMORY.get(name),
                 "params": sum(p.numel() for p in initial.parameters()),
                 "d_model": initial.d_model,
                 "heads": initial.heads,
@@ -204,12 +257,13 @@ def _bench_cell(initial: Transformer, meshes: dict, backend, batches: list, prec
                 "warmup": args.warmup,
                 "steps": args.steps,
                 **slowest_rank_stats(samples[name]),
-                # The ddpx model's parameters against the gloo model's, after the warm-up.
-                **(check if name == "ddpx" else dict.fromkeys(check)),
-                # This rank's calls of the cell (warm-up, check, timed steps) that ddpx's backend
-                # ran on its engine and through gloo: its routes() before and after.
-                "routes": routes if name == "ddpx" else None,
-                "served_by": served_by(routes) if name == "ddpx" else None,
+                # A ddpx model's parameters against the gloo model's, after the warm-up.
+                **checks.get(name, no_check),
+                # This rank's calls of the cell (warm-up, check, timed steps) that the ddpx
+                # backend of the model's group ran on its engine and through gloo: its routes()
+                # before and after.
+                "routes": routes.get(name),
+                "served_by": served_by(routes[name]) if name in routes else None,
             }
         )
     gloo_ms = rows[0]["median_ms"]
@@ -218,13 +272,25 @@ def _bench_cell(initial: Transformer, meshes: dict, backend, batches: list, prec
     return rows
 
 
-def _check(initial: Transformer, models: dict, precision: str, warmup: int, lr: float,
+def _require_arena(cell: str) -> None:
+    """Raise on every rank unless ddpx's arena holds memory on every rank after the warm-up: in
+    this process only the ddpx-mem model's FSDP2 takes any from it."""
+    held = torch.tensor([extension().arena_usage()["bytes"]], dtype=torch.float64)
+    dist.all_reduce(held, op=dist.ReduceOp.MIN)
+    if held.item() == 0:
+        raise RuntimeError(
+            f"{cell}: after the warm-up ddpx's arena holds nothing on some rank, so the ddpx-mem "
+            f"model's buffers came from elsewhere (this rank: {extension().arena_usage()})"
+        )
+
+
+def _check(initial: Transformer, models: dict, name: str, precision: str, warmup: int, lr: float,
            cell: str) -> dict:
-    """Compare the ddpx model's full parameters with the gloo model's after `warmup` steps of
+    """Compare the `name` model's full parameters with the gloo model's after `warmup` steps of
     learning rate `lr`: max |diff| (the key biases apart) within FP32_TOLERANCE_OF_ADAM_MOVE x lr
     x `warmup` in fp32, the cosine of their updates at least BF16_MIN_COSINE in bf16; raise on
     every rank if not."""
-    gloo, ddpx = (dict(models[name].named_parameters()) for name in ("gloo", "ddpx"))
+    gloo, ddpx = (dict(models[model].named_parameters()) for model in ("gloo", name))
     d_model = initial.d_model
     # max |diff| but the key biases', the key biases', whether any bits differ; the updates' dot
     # product and squared norms.
@@ -267,7 +333,7 @@ def _check(initial: Transformer, models: dict, precision: str, warmup: int, lr: 
         bound = f"at least {BF16_MIN_COSINE:g}"
     if not differ:
         found = "the same bits as"
-    message = f"{cell}: after {steps} the ddpx model has {found} the gloo model's parameters"
+    message = f"{cell}: after {steps} the {name} model has {found} the gloo model's parameters"
     if not passed:
         raise RuntimeError(f"{message} ({bound})")
     progress(f"{message} ({bound})")
@@ -275,22 +341,17 @@ def _check(initial: Transformer, models: dict, precision: str, warmup: int, lr: 
 
 
 def _fsdp_table(rows: list[dict]) -> list[str]:
-    """One line per cell (world size, precision): each group's median step side by side."""
-    cells = {}
-    for row in rows:
-        cells.setdefault((row["world_size"], row["precision"]), {})[row["engine"]] = row
+    """One line per cell (world size, precision) and group: its median step against gloo's."""
     header = (
-        f"{'ranks':>5}  {'precision':<9}  {'gloo ms/step':>12}  {'ddpx ms/step':>12}  "
-        f"{'gloo/ddpx':>9}  {'ddpx vs gloo':<20}  ddpx served by"
+        f"{'ranks':>5}  {'precision':<9}  {'group':<8}  {'ms/step':>9}  {'x vs gloo':>9}  "
+        f"{'params vs gloo':<20}  served by"
     )
     lines = [header, "-" * len(header)]
-    for (world_size, precision), engines in cells.items():
-        gloo, ddpx = engines["gloo"], engines.get("ddpx")
+    for row in rows:
         lines.append(
-            f"{world_size:>5}  {precision:<9}  {format_ms(gloo['median_ms']):>12}  "
-            f"{format_ms(ddpx and ddpx['median_ms']):>12}  "
-            f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
-            f"{_agreement(ddpx):<20}  {format_served(ddpx)}"
+            f"{row['world_size']:>5}  {row['precision']:<9}  {row['engine']:<8}  "
+            f"{format_ms(row['median_ms']):>9}  {format_ratio(row['x_vs_gloo']):>9}  "
+            f"{_agreement(row):<20}  {format_served(row)}"
         )
     first = rows[0]
     lines += [
@@ -299,12 +360,15 @@ def _fsdp_table(rows: list[dict]) -> list[str]:
         f"linear head), fully_shard per layer and root; batch {first['batch_size']} x seq "
         f"{first['seq_len']} per rank; AdamW; {first['warmup']} warm-up + {first['steps']} timed "
         "steps per model",
-        "ms/step: median step; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); bf16: "
-        "bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
-        "ddpx vs gloo: the ddpx model's parameters after the warm-up against the gloo model's: "
+        "groups: gloo, the world; ddpx and ddpx-mem, groups of the same ranks with ddpx's backend, "
+        "ddpx-mem's FSDP2 taking its all-gather and reduce-scatter buffers from ddpx's arena "
+        "(set_allocate_memory_from_process_group_for_comm)",
+        "ms/step: median step; x vs gloo: gloo's median / the group's (above 1: faster than "
+        "gloo); bf16: bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
+        "params vs gloo: the model's parameters after the warm-up against the gloo model's: "
         "the same bits, or fp32: max |diff| (key biases apart; at most lr x warm-up steps / 10), "
         "bf16: the cosine of the updates (at least 0.98)",
-        "ddpx served by: the ddpx backend's routes(), the calls of the cell (warm-up, check, "
+        "served by: the group's ddpx backend's routes(), the calls of the cell (warm-up, check, "
         "timed steps) on its engine and through gloo",
     ]
     nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}

@@ -657,9 +657,10 @@ def test_fsdp(tmp_path):
     document, stdout = run_bench(tmp_path, "fsdp", *options.split(),
                                  "--precisions", ",".join(precisions))
 
-    engines = ["gloo", "ddpx"] if ddpx_backend_registered() else ["gloo"]
+    engines = ["gloo", "ddpx", "ddpx-mem"] if ddpx_backend_registered() else ["gloo"]
     if not ddpx_backend_registered():
         assert "registers no torch.distributed backend" in document["left_out"]["ddpx"]
+        assert "registers no torch.distributed backend" in document["left_out"]["ddpx-mem"]
     rows = {(row["precision"], row["engine"]): row for row in document["rows"]}
     assert sorted(rows) == sorted((p, engine) for p in precisions for engine in engines)
     for (precision, engine), row in rows.items():
@@ -669,8 +670,10 @@ def test_fsdp(tmp_path):
         gloo = rows[precision, "gloo"]
         assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
         if engine == "gloo":
-            assert row["routes"] is row["served_by"] is row["check"] is None
+            assert row["routes"] is row["served_by"] is row["check"] is row["comm_memory"] is None
             continue
+        # FSDP2's buffers from the group's backend, ddpx's arena, for ddpx-mem only.
+        assert row["comm_memory"] is (engine == "ddpx-mem")
         # Checked against the gloo model after the warm-up: 2 ranks average alike, so the same
         # bits are expected but only the tolerance is required.
         if precision == "fp32":
@@ -684,12 +687,14 @@ def test_fsdp(tmp_path):
         assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= set(row["routes"])
         assert row["served_by"]["engine"] > 0 and row["served_by"]["gloo"] == 0, row["routes"]
         assert all(paths["gloo"] == 0 for paths in row["routes"].values()), row["routes"]
-    assert "gloo ms/step" in stdout and "ddpx ms/step" in stdout and "gloo/ddpx" in stdout
+    assert "ms/step" in stdout and "x vs gloo" in stdout and "params vs gloo" in stdout
     table = [line.split() for line in stdout.splitlines() if line.split()[:1] == ["2"]]
-    assert [line[1] for line in table] == precisions
+    assert [line[1:3] for line in table] == [[p, engine] for p in precisions for engine in engines]
     if "ddpx" in engines:
         assert re.search(r"note: ddpx backend on 2 ranks: ", stdout), stdout
-        assert all(line[-1] == "engine" for line in table), table
+        assert re.search(r"note: ddpx-mem: FSDP2's buffers from ddpx's arena, which holds [1-9]",
+                         stdout), stdout
+        assert all(line[-1] == "engine" for line in table if line[2] != "gloo"), table
 
 
 @pytest.mark.slow  # 17 s
