@@ -58,7 +58,17 @@ struct AllreduceCall {
   Write out_write;
   const std::string& what;
   Clock::duration skew{};  // the wait for the ranks to arrive at the first step
+  // The call's first step is behind it: it runs again from the next step, as restart() says.
+  bool checked = false;
 };
+
+// After a first step at which some ranks posted tensors in their arenas and others did not: every
+// rank runs the call again from the next step in the schedule agreed for it, posting no arena, so
+// none reads another's tensor where it lies (a rank may not reach its peers' memory).
+void restart(AllreduceCall& call) {
+  call.checked = true;
+  call.meta.arena = {};
+}
 
 // Puts block b into this rank's input slot (less its own slice, when read in place), waits for
 // every peer's, and at the first block checks the call against the peers' (and nodes'); returns
@@ -68,7 +78,7 @@ uint64_t arrive(AllreduceCall& call, int64_t b) {
   const Kernels& k = kernels();
   const uint64_t step = call.comm.next_step();
   const int64_t count = x.elements(b);
-  if (b == 0) call.channel.post(step, call.meta);
+  if (b == 0 && !call.checked) call.channel.post(step, call.meta);
   char* slot = call.channel.input_slot(x.me, step);
   if (count > 0 && call.own_slice_direct) {
     const auto [lo, hi] = x.slice(count);
@@ -81,7 +91,7 @@ uint64_t arrive(AllreduceCall& call, int64_t b) {
   call.channel.publish(Phase::Arrive, step);
   const auto waits_from = Clock::now();
   call.channel.wait_all(Phase::Arrive, step, call.what, call.wide);
-  if (b != 0) return step;
+  if (b != 0 || call.checked) return step;
   call.skew = Clock::now() - waits_from;
   call.comm.first_step(step, call.meta, call.what);
   return step;
@@ -211,21 +221,19 @@ uint64_t arrive_without_data(AllreduceCall& call) {
   channel.wait_all(Phase::Arrive, step, call.what);
   call.skew = Clock::now() - waits_from;
   // Past the check every rank's tensor has this call's size, which the claimers rely on.
-  call.comm.first_step(step, call.meta, call.what);
+  if (!call.checked) call.comm.first_step(step, call.meta, call.what);
   return step;
 }
 
-// Returns false where the call went claimed after all (a peer's tensor lies in its arena).
-bool allreduce_in_node(AllreduceCall& call, bool one_shot) {
+void allreduce_in_node(AllreduceCall& call, bool one_shot) {
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
   for (int64_t b = 0; b < x.n; ++b) {
     const uint64_t step = arrive(call, b);
-    // A peer's tensor lies in its arena and this rank's does not: the peers posted no data, so
-    // every rank claims the blocks from here, reading this rank's tensor through the kernel.
-    if (b == 0 && call.comm.any_in_arena(step)) {
-      allreduce_claimed(call, step);
-      return false;
+    if (b == 0 && !call.checked && call.comm.any_in_arena(step)) {
+      restart(call);
+      allreduce_in_node(call, one_shot);
+      return;
     }
     const int64_t count = x.elements(b);
     if (one_shot) {
@@ -238,7 +246,6 @@ bool allreduce_in_node(AllreduceCall& call, bool one_shot) {
     sum_slice(call, step, b, lo, hi, call.channel.output_slot(step) + size_t(lo) * x.acc_size);
     copy_out(call, step, b);
   }
-  return true;
 }
 
 // This rank's slices of the blocks are summed within the node into the node sums, which cross
@@ -356,15 +363,26 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
     allreduce_across_nodes(call);
     return;
   }
-  // A tensor in this rank's arena goes claimed whatever the schedule, its peers read where it
-  // lies; a call whose every tensor does copies nothing in or out.
+  // A tensor in this rank's arena starts with a step with no data; where every rank's does, the
+  // call goes claimed whatever the schedule, each rank read where its tensor lies: nothing copied
+  // in or out.
   call.meta.address = reinterpret_cast<uint64_t>(data);
   call.meta.arena = comm.arena_place(data, size_t(numel) * blocks.data_size);
-  if (schedule == ScheduleChoice::kShared || call.meta.arena.valid()) {
-    allreduce_claimed(call, arrive_without_data(call));
-    return;
+  const bool shared = schedule == ScheduleChoice::kShared;
+  if (shared || call.meta.arena.valid()) {
+    const uint64_t step = arrive_without_data(call);
+    if (comm.all_in_arena(step) || (shared && !comm.any_in_arena(step))) {
+      allreduce_claimed(call, step);
+      return;
+    }
+    restart(call);
+    if (shared) {
+      allreduce_claimed(call, arrive_without_data(call));
+      return;
+    }
   }
-  if (allreduce_in_node(call, one_shot) && channel.me() == 0 && timed >= 0) {
+  allreduce_in_node(call, one_shot);
+  if (!call.checked && channel.me() == 0 && timed >= 0) {
     choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
   }
 }

@@ -119,6 +119,8 @@ at::Tensor Arena::allocate(int64_t numel, const at::TensorOptions& options) {
   TORCH_CHECK_VALUE(numel >= 0, "ddpx: cannot allocate ", numel, " elements");
   const size_t bytes = size_t(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
   std::string why = "the tensor is for " + options.device().str() + ", the arena holds CPU tensors";
+  // No bytes, no chunk: a tensor of no elements has nothing to share.
+  if (bytes == 0) return at::empty({numel}, options);
   at::DataPtr data = options.device().is_cpu() ? take_data(bytes, &why) : at::DataPtr();
   if (!data) {
     std::lock_guard<std::mutex> lock(mutex_);

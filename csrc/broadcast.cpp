@@ -13,7 +13,9 @@ namespace {
 
 // Where the root's data lies in its arena (its first step says so), no block goes through the
 // slots: every other rank copies it from there, and the root waits for them to finish reading.
-void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* data, size_t bytes,
+// Returns false, having copied nothing, where some rank cannot reach the root's memory: the ranks
+// then run it again through the slots from the next step.
+bool broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* data, size_t bytes,
                        int root, const std::string& what) {
   ShmChannel& channel = comm.channel();
   const int me = channel.me();
@@ -31,6 +33,7 @@ void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* d
         },
         what);
     if (first && b == 0 && channel.posted(root, step).arena.valid()) {
+      if (!comm.all_reach(step)) return false;
       const char* from = me == root ? bytes_at : comm.peer_arena(root, step);
       if (me != root) {
         if (from == nullptr) {
@@ -41,10 +44,11 @@ void broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* d
       }
       comm.finish_reads(step, what);
       if (from != nullptr) comm.count_zero_copy();
-      return;
+      return true;
     }
     if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, write);
   }
+  return true;
 }
 
 void broadcast_across_nodes(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, int root,
@@ -78,7 +82,10 @@ void broadcast(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, in
     mine.address = reinterpret_cast<uint64_t>(data);
     mine.arena = comm.arena_place(data, bytes);
   }
-  broadcast_in_node(comm, mine, true, data, bytes, root, what);
+  if (!broadcast_in_node(comm, mine, true, data, bytes, root, what)) {
+    mine.arena = {};
+    broadcast_in_node(comm, mine, false, data, bytes, root, what);
+  }
 }
 
 }  // namespace ddpx

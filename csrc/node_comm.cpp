@@ -50,6 +50,7 @@ CallMeta NodeComm::begin(Collective op, int64_t numel, int32_t dtype, int32_t wi
   channel_.begin_call();
   schedule_.begin_call();
   CallMeta mine{++calls_, numel, dtype, wire, scale, int32_t(op), root, 0, torch_dtype};
+  mine.reaches = channel_.reaches_peers() ? 1 : 0;
   schedule_.stamp(mine);
   return mine;
 }
@@ -234,8 +235,15 @@ void NodeComm::across(const char* kind, const std::string& what,
 }
 
 ArenaPlace NodeComm::arena_place(const void* data, size_t bytes) const {
-  if (cross_node_ || channel_.reachable() != ShmChannel::Reach::Yes) return {};
+  if (cross_node_ || !channel_.reaches_peers() || bytes == 0) return {};
   return Arena::process().find(data, bytes);
+}
+
+bool NodeComm::all_reach(uint64_t step) const {
+  for (int r = 0; r < channel_.size(); ++r) {
+    if (channel_.posted(r, step).reaches == 0) return false;
+  }
+  return true;
 }
 
 bool NodeComm::all_in_arena(uint64_t step) const {

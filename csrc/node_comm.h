@@ -112,12 +112,14 @@ class NodeComm {
   // What a collective other than the all-reduce trades across nodes, grown as needed.
   char* lane_buffer(size_t bytes);
 
-  // Zero-copy (arena.h). Where [data, data + bytes) lies in this rank's arena, for a call to post
-  // (not valid where the peers could not read it there: a group across nodes, or ranks that cannot
-  // reach each other's memory).
+  // Zero-copy (arena.h). Where [data, data + bytes) lies in this rank's arena, for a call to post:
+  // not valid across nodes, for no bytes, or before this rank has found it reaches every peer's
+  // memory (its probe, at its first call), so that what the ranks posted decides alike on all.
   ArenaPlace arena_place(const void* data, size_t bytes) const;
-  // What the ranks posted at a call's first step, step: every rank's tensor in its arena, or some.
+  // What the ranks posted at a call's first step, step: every rank's tensor in its arena (so every
+  // rank reaches every peer), or some; every rank reaching every peer.
   bool all_in_arena(uint64_t step) const;
+  bool all_reach(uint64_t step) const;
   bool any_in_arena(uint64_t step) const;
   // Local rank `rank`'s posted arena bytes, mapped here; null where the rank posted none or its
   // chunk cannot be mapped (then its posted address is read through the kernel).

@@ -454,6 +454,10 @@ void ShmChannel::probe_peers() {
                             std::memory_order_release);
 }
 
+bool ShmChannel::reaches_peers() const {
+  return Reach(control_[me_].reach.load(std::memory_order_acquire)) == Reach::Yes;
+}
+
 ShmChannel::Reach ShmChannel::reachable() const {
   Reach all = Reach::Yes;
   for (int r = 0; r < layout_.nranks; ++r) {

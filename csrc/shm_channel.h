@@ -63,9 +63,11 @@ struct CallMeta {
   // Local rank 0's only: 1 when the all-reduces after this one go shared (schedule.h).
   uint32_t shared = 0;
   // Where this rank's tensor lies in its process, for an all-reduce the ranks share, and in its
-  // arena, if it is there (arena.h).
+  // arena, if it is there (arena.h) and this rank reaches its peers' memory.
   uint64_t address = 0;
   ArenaPlace arena;
+  // 1 when this rank, as it posted this, had found it reaches every peer's memory (probe_peers).
+  int32_t reaches = 0;
 };
 
 class ShmChannel {
@@ -147,6 +149,8 @@ class ShmChannel {
   void probe_peers();
   enum class Reach { Unknown, Yes, No };
   Reach reachable() const;
+  // Whether this rank found it reaches every peer's memory (its own probe: no peer's verdict).
+  bool reaches_peers() const;
   // Why this rank cannot reach a peer's memory, empty when it can (or has not tried).
   const std::string& unreachable_because() const { return unreachable_because_; }
 
