@@ -159,12 +159,14 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTen
   scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
   const void* srcs[kMaxLocalRanks];
   for (int r = 0; r < x.ranks; ++r) {
-    const char* raw = peers.at[r] + offset;
-    if (peers.at[r] == nullptr) {
+    const char* raw = peers.at[r];
+    if (raw == nullptr) {
       char* copy = scratch.data() + size_t(r) * raw_room;
       call.channel.read_peer(r, copy, call.channel.posted(r, step).address + offset, raw_bytes,
                              call.what);
       raw = copy;
+    } else {
+      raw += offset;
     }
     srcs[r] = raw;
     if (converted) {
