@@ -7,9 +7,11 @@ About 3 minutes on 2 cores at the defaults.
     ddpx-bench train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
     ddpx-bench train --world_sizes 2 --comm_hooks default,backend,backend-mem --params 2M
+    ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
---batch_size rows of random data per rank, one model per --comm_hooks entry: `default` (DDP's own
+--batch_size rows of random data per rank (or, with --model gpt, of ddpx.models.GPT on
+--batch_size sequences of random token ids, with its next-token loss), one model per --comm_hooks entry: `default` (DDP's own
 all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
 NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook),
 `backend` and `backend-mem` (DDP's own all-reduce, no hook, on a group of every rank made with
@@ -44,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
 from ddpx._ext import extension
-from ddpx.models import MLP
+from ddpx.models import GPT, MLP
 from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
@@ -77,9 +79,9 @@ PARAM_TOLERANCE_ROUNDINGS = 64
 def bench_train(args) -> dict:
     left_out, failures = {}, []
     torch.manual_seed(args.seed)
-    initial = MLP.with_params(args.params)
+    initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
     models = hooked_models(initial, args.comm_hooks, left_out)
-    samples = timed_steps(models, _train_batches(initial.width, args), args.lr, args.warmup,
+    samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
                           args.steps)
     rows = _train_rows(initial, models, samples, args, failures)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
@@ -203,15 +205,21 @@ def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Futu
     return future
 
 
-def _train_batches(width: int, args, count: int = 4) -> list[torch.Tensor]:
+def _train_batches(initial: torch.nn.Module, args, count: int = 4) -> list[torch.Tensor]:
+    """Random rows of the MLP's width, or random token ids of the GPT's context."""
     generator = torch.Generator().manual_seed(args.seed * 1_000_003 + dist.get_rank())
-    return [torch.randn(args.batch_size, width, generator=generator) for _ in range(count)]
+    if isinstance(initial, GPT):
+        shape = (args.batch_size, initial.context)
+        return [torch.randint(initial.vocab, shape, generator=generator) for _ in range(count)]
+    return [torch.randn(args.batch_size, initial.width, generator=generator) for _ in range(count)]
 
 
 def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tensor],
           index: int) -> None:
     optimizer.zero_grad()
-    model(batches[index % len(batches)]).square().mean().backward()
+    batch = batches[index % len(batches)]
+    out = model(batch)
+    (GPT.next_token_loss(out, batch) if batch.dtype == torch.long else out.square().mean()).backward()
     optimizer.step()
     if isinstance(model, _BackendDDP):
         model.check_buckets(index)  # a few lookups in the arena's map: microseconds
@@ -229,6 +237,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
             "hook": name,
             "describe": describe,
             "params": sum(p.numel() for p in initial.parameters()),
+            "model": type(initial).__name__,
             "batch_size": args.batch_size,
             "steps": args.warmup + args.steps,
             **slowest_rank_stats(samples[name]),
@@ -314,7 +323,8 @@ def _train_table(rows: list[dict]) -> list[str]:
                if "zero_copy_calls" in row else "")
         )
     lines.append(
-        f"MLP of {rows[0]['params']} parameters, batch {rows[0]['batch_size']} per rank, "
+        f"{rows[0].get('model', 'MLP')} of {rows[0]['params']} parameters, batch "
+        f"{rows[0]['batch_size']} per rank, "
         f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
     )
     if runs:
@@ -359,6 +369,9 @@ class Train(Mode):
             default=count("25M"),
             help="parameters of the MLP, with K/M suffixes (powers of 1000)",
         )
+        parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                            help="mlp: ddpx.models.MLP; gpt: ddpx.models.GPT, GPT-2's blocks "
+                                 "(width 512, --batch_size sequences of 128 random tokens)")
         parser.add_argument("--batch_size", type=int, default=16)
         parser.add_argument("--steps", type=int, default=12, help="timed steps per hook")
         parser.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")

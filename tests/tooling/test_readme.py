@@ -83,10 +83,10 @@ IN_CI = {
     "pip install transformers",
     "bash tools/arm_check.sh",
     'pip install -e ".[peers]"',
-    "ddpx-bench allreduce --world_sizes 2 --sizes 1M,4M,25M --engines gloo,ddpx,mpi,deepspeed,copy "
-    "--runs 5",
-    "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,25M --engines gloo,ddpx,mpi,deepspeed "
-    "--load 1 --bind core --runs 5",
+    "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
+    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 5 --bind core",
+    "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
+    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --load 1 --bind core",
 }
 # Lines no machine of this project's CI can run, and where they do run.
 ELSEWHERE = {
