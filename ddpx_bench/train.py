@@ -11,9 +11,9 @@ About 3 minutes on 2 cores at the defaults.
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
 --batch_size rows of random data per rank (or, with --model gpt, of ddpx.models.GPT on
---batch_size sequences of random token ids, with its next-token loss), one model per --comm_hooks entry: `default` (DDP's own
-all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and bf16_compress_hook; the latter needs
-NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook),
+--batch_size sequences of random token ids, with its next-token loss), one model per --comm_hooks
+entry: `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
+bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook),
 `backend` and `backend-mem` (DDP's own all-reduce, no hook, on a group of every rank made with
 ddpx's backend, each with its own; gradient_as_bucket_view, so each .grad is a view of its bucket:
 `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out
@@ -219,7 +219,8 @@ def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tens
     optimizer.zero_grad()
     batch = batches[index % len(batches)]
     out = model(batch)
-    (GPT.next_token_loss(out, batch) if batch.dtype == torch.long else out.square().mean()).backward()
+    loss = GPT.next_token_loss(out, batch) if batch.dtype == torch.long else out.square().mean()
+    loss.backward()
     optimizer.step()
     if isinstance(model, _BackendDDP):
         model.check_buckets(index)  # a few lookups in the arena's map: microseconds
