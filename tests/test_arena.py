@@ -13,11 +13,13 @@ each other's memory still reduce arena tensors right. Faults, under torchrun: a 
 in a zero-copy all-reduce fails every survivor, and SIGKILLed ranks leave nothing in /dev/shm or
 running.
 
-An engine's first call never goes zero-copy, and its second only by chance: each rank probes
-whether it reaches its peers' memory at its first call (ShmChannel::probe_peers), and a rank
-that starts its second call before a peer has published its verdict sees "unknown" and keeps its
-tensor out of the arena's way. After two calls every verdict is visible, so every job here makes
-two ordinary calls first (warm_up) before it counts zero-copy calls.
+All-gathers (FSDP2's way, in place), broadcasts and reduce-scatters of arena tensors read the
+peers' where they lie too, to the copy path's bits; so do FSDP2's with its buffers from the
+backend, and the fused hook on a gloo group, which moves DDP's buckets into the arena.
+
+An engine's first call never goes zero-copy: a rank posts an arena tensor only once its probe
+of its peers' memory (ShmChannel::probe_peers, at its first call) found it reaches them, so
+every job here makes ordinary calls first (warm_up) before it counts zero-copy calls.
 """
 
 from __future__ import annotations
@@ -383,8 +385,57 @@ def subgroup(rank, world):
     return prints, counts, failures
 
 
+def collectives(rank, world):
+    """all_gather_into_tensor in place (FSDP2's way: the input is this rank's part of the arena
+    output), broadcast from every root and reduce_scatter_tensor (SUM, AVG) of arena tensors,
+    against the same calls on ordinary tensors: the same bits, each counted once as zero-copy;
+    then with only rank 0's tensors in the arena: the same bits, and only the broadcasts from
+    rank 0, whose data is all a broadcast reads, counted."""
+    quiet()
+    warm_up()
+    prints, counts = {}, {"arena calls": 0, "zero-copy": 0}
+    with collecting() as failures:
+        for layout in ("every rank", "rank 0 only"):
+            arena_here = layout == "every rank" or rank == 0
+            place = in_arena if arena_here else torch.Tensor.clone
+            for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                for n in (1, 4097, BIG // 3):
+                    what = f"{layout}: {dtype} n={n} world={world}"
+                    part = make(rank, (n,), dtype, "gather")
+                    out = place(torch.zeros(world * n, dtype=dtype))
+                    out[rank * n:(rank + 1) * n].copy_(part)
+                    ordinary = torch.empty(world * n, dtype=dtype)
+                    dist.all_gather_into_tensor(ordinary, part.clone())
+                    counted = zero_copy_counted(dist.all_gather_into_tensor, out,
+                                                out[rank * n:(rank + 1) * n])
+                    expect_equal(out, ordinary, what + ": all-gather, arena vs copy path")
+                    expected = [int(layout == "every rank")]
+                    for root in range(world):
+                        data = place(make(rank, (n,), dtype, f"bcast{root}"))
+                        want = make(root, (n,), dtype, f"bcast{root}")
+                        counted += zero_copy_counted(dist.broadcast, data, root)
+                        expect_equal(data, want, f"{what}: broadcast from {root}")
+                        expected.append(int(layout == "every rank" or root == 0))
+                    inputs = [make(r, (world * n,), dtype, "scatter") for r in range(world)]
+                    for op, scale in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1 / world)):
+                        mine = place(inputs[rank])
+                        got, want = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                        counted += zero_copy_counted(dist.reduce_scatter_tensor, got, mine, op)
+                        dist.reduce_scatter_tensor(want, inputs[rank].clone(), op)
+                        expect_equal(got, want, f"{what}: reduce-scatter {op}, arena vs copy")
+                        near_reference(got, [t[rank * n:(rank + 1) * n] for t in inputs], scale,
+                                       f"{what}: reduce-scatter {op}")
+                        expected.append(int(layout == "every rank"))
+                    check(counted == sum(expected),
+                          f"{what}: zero_copy_calls went up by {counted}, not {sum(expected)}")
+                    counts["arena calls"] += sum(expected)
+                    counts["zero-copy"] += counted
+                    prints[what] = digest(out)
+    return prints, counts, failures
+
+
 SECTIONS = {"bits": bits, "compression": compression, "mixed": mixed, "reuse": reuse,
-            "subgroup": subgroup}
+            "subgroup": subgroup, "collectives": collectives}
 
 
 # (world, section), by world: the sections of a world share its ranks. The arena is per process:
@@ -418,6 +469,10 @@ def test_arena_all_reduces(rank_pool, world, section):
         assert counts["arena calls"] == cases * (len(SIZES) - 1) + views, counts
     if section == "subgroup":
         assert counts["arena calls"] == 3, counts
+    if section == "collectives":
+        # every rank's: 1 all-gather + world broadcasts + 2 reduce-scatters; rank 0's only: the
+        # broadcasts from rank 0; per dtype and size
+        assert counts["arena calls"] == 9 * ((1 + world + 2) + 1), counts
     assert counts["zero-copy"] == counts["arena calls"], counts
 
 
@@ -510,6 +565,100 @@ def test_ddp_on_a_ddpx_world_keeps_its_gradients_in_the_arena(world):
             for a, b in zip(arena["params"], run["gloo"]["params"], strict=True):
                 torch.testing.assert_close(a, b, **SUM_ORDER_TOLERANCE)
         assert not any(any(step) for step in run["gloo"]["held"])
+
+
+def hook_on_gloo(rank, world):
+    """DDP on gloo with ddpx's fused hook, gradients as bucket views or not, against DDP's own
+    all-reduce: the hook moves each bucket into the arena when it first meets it, so from the
+    second step (the rebuilt buckets met once) every bucket's all-reduce is zero-copy; with
+    DDPX_COMM_MEMORY=0 none is moved."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    quiet()
+    out = {}
+    for view, setting in ((True, "1"), (False, "1"), (True, "0")):
+        os.environ["DDPX_COMM_MEMORY"] = setting
+        models = {}
+        for name in ("default", "hook"):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                nn.Linear(64, 8))
+            models[name] = DDP(net, bucket_cap_mb=0.01, gradient_as_bucket_view=view)
+        state = ddpx.register_fused_hook(models["hook"])
+        optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+        data = torch.Generator().manual_seed(rank)
+        counted, held = [], []
+        for _ in range(STEPS):
+            x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
+            for name, model in models.items():
+                before = state.engine.zero_copy_calls
+                nn.functional.mse_loss(model(x), y).backward()
+                if name == "hook":
+                    counted.append(state.engine.zero_copy_calls - before)
+                    held.append(all(extension().arena_holds(p.grad)
+                                    for p in model.module.parameters()))
+                optimizers[name].step()
+                optimizers[name].zero_grad()
+        same = all(torch.equal(a, b) for a, b in zip(models["default"].parameters(),
+                                                     models["hook"].parameters(), strict=True))
+        buckets = len(models["hook"].reducer._get_zeros_like_grad_buckets())
+        out[f"view={view} setting={setting}"] = {"same": same, "counted": counted, "held": held,
+                                                 "buckets": buckets}
+        del models, optimizers
+        gc.collect()
+    os.environ.pop("DDPX_COMM_MEMORY")
+    return out
+
+
+def test_the_hook_on_a_gloo_group_moves_ddps_buckets_into_the_arena():
+    for result in run_ranks(hook_on_gloo, 2, timeout=240):
+        for case, r in result.items():
+            assert r["same"], f"{case}: the hook's parameters differ from DDP's default"
+            if case.endswith("setting=0"):
+                assert sum(r["counted"]) == 0 and not any(r["held"]), (case, r)
+                continue
+            # From the second step every bucket's all-reduce went zero-copy.
+            assert all(c == r["buckets"] for c in r["counted"][1:]), (case, r)
+            assert all(r["held"]) == case.startswith("view=True"), (case, r)
+
+
+def fsdp_job(rank, world):
+    """FSDP2 (fully_shard per layer and root) on a ddpx world, its buffers from the backend or
+    not: the same parameters, and with them every all-gather and reduce-scatter zero-copy."""
+    from torch.distributed.fsdp import fully_shard
+
+    quiet()
+    warm_up()
+    out = {}
+    for comm_memory in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        for module in (*model, model):
+            module.set_allocate_memory_from_process_group_for_comm(comm_memory)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        before = engine().zero_copy_calls
+        for _ in range(3):
+            model(torch.randn(8, 64, generator=data)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out[comm_memory] = {"zero_copy": engine().zero_copy_calls - before,
+                            "params": [p.full_tensor().detach() for p in model.parameters()]}
+    return out
+
+
+def test_fsdp2_with_its_buffers_from_ddpx_goes_zero_copy_to_the_same_bits():
+    for result in run_ranks(fsdp_job, 2, backend="ddpx", timeout=240):
+        assert result[False]["zero_copy"] == 0, result[False]["zero_copy"]
+        # 3 steps x 3 layers x (forward all-gather, backward all-gather, reduce-scatter)
+        assert result[True]["zero_copy"] >= 3 * 3 * 3, result[True]["zero_copy"]
+        for a, b in zip(result[False]["params"], result[True]["params"], strict=True):
+            assert torch.equal(a, b)
 
 
 def ddp_as_the_user_chose(rank, world):

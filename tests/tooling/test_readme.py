@@ -78,7 +78,6 @@ IN_CI = {
     "pip install .",
     "pip wheel .",
     'pip install torch==2.13.0 ninja && pip install -e ".[test]" && python -m pytest -q',
-    'pip install -e ".[test]"',
     "pip install lightning",
     "pip install transformers",
     "bash tools/arm_check.sh",
