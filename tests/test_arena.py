@@ -37,7 +37,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_faults import assert_no_job_left, finish, launch, read_pids, reap
+from test_faults import assert_no_job_left, finish, launch, read_pids, reap, wait_for_pids
 from test_hook import SUM_ORDER_TOLERANCE
 from torch import nn
 
@@ -900,12 +900,7 @@ def test_every_rank_sigkilled_holding_arena_tensors_leaves_nothing_behind(tmp_pa
     before = set(os.listdir("/dev/shm"))
     proc = launch(HOLD_AND_REDUCE, 2, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid.*"))) < 2:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
-        pids = read_pids(tmp_path)
+        pids = wait_for_pids(proc, tmp_path, 2)
         for rank, pid in enumerate(pids):
             usage = json.loads((tmp_path / f"usage.{rank}").read_text())
             assert usage["chunks"] >= 2 and usage["peer_chunks"] >= 2, usage

@@ -68,6 +68,16 @@ def read_pids(directory) -> list[int]:
     return [int(p.read_text()) for p in sorted(directory.glob("pid.*"))]
 
 
+def wait_for_pids(proc: subprocess.Popen, directory, nproc: int) -> list[int]:
+    """The pids of a launched job's ranks, once each has written its pid.N (within 60 s)."""
+    deadline = time.monotonic() + 60
+    while len(list(directory.glob("pid.*"))) < nproc:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    return read_pids(directory)
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. A rank SIGKILLed in the middle of training
 
@@ -208,11 +218,7 @@ def test_every_rank_killed_mid_all_reduce_leaves_nothing_in_dev_shm(tmp_path):
     before = shm_segments()
     proc = launch(REDUCE_FOREVER, 3, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.glob("pid.*"))) < 3:
-            assert proc.poll() is None, proc.communicate()[0]
-            assert time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.1)
+        wait_for_pids(proc, tmp_path, 3)
         time.sleep(0.5)  # well inside the loop of 12 MB all-reduces
         pids = read_pids(tmp_path)
         for pid in pids:
