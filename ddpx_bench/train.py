@@ -10,29 +10,28 @@ About 3 minutes on 2 cores at the defaults.
     ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
---batch_size rows of random data per rank (or, with --model gpt, of ddpx.models.GPT on
---batch_size sequences of random token ids, with its next-token loss), one model per --comm_hooks
-entry: `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
-bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook),
-`backend` and `backend-mem` (DDP's own all-reduce, no hook, on a group of every rank made with
-ddpx's backend, each with its own; gradient_as_bucket_view, so each .grad is a view of its bucket:
-`backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out
-of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the buckets in ddpx's arena, which it
-reduces where they lie, zero-copy; the variable is set while DDP makes its buckets, at
-construction and at their rebuild in the second step's forward, and put back after; a step
-after which a gradient lies elsewhere than its bucket should stops the run, and the table says how
-many all-reduces the engine ran zero-copy: some with the arena and none without, else exit status
-1; `backend-mem` is left out where the backend allocates no tensors: across nodes, or without an
-arena), and
-`none`, which is not a way to train: a hook that communicates nothing (each rank keeps its own
-gradients), the step's floor that any hook's time is read against (it is timed, not checked). The
-models start from the same seed, see the same data and take turns step by step; a sample is one
-step on the slowest rank, started right after a barrier. Reported: median and p10-p90 step time in
-ms, x vs default, and max |diff| of each model's final parameters from the default model's with its
-tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest parameter
-change of the default model) and of the parameters to float32 (64 u_fp32 x the largest parameter).
-Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
-with status 1 after the table.
+--batch_size rows of random data per rank (or, with --model gpt, of ddpx.models.GPT on --batch_size
+sequences of random token ids, with its next-token loss), one model per --comm_hooks entry:
+`default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
+bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`,
+`ddpx-bf16` (ddpx.register_fused_hook), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
+on a group of every rank made with ddpx's backend, each with its own; gradient_as_bucket_view, so
+each .grad is a view of its bucket: `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary
+memory, which ddpx copies in and out of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the
+buckets in ddpx's arena, which it reduces where they lie, zero-copy; the variable is set while DDP
+makes its buckets, at construction and at their rebuild in the second step's forward, and put back
+after; a step after which a gradient lies elsewhere than its bucket should stops the run, and the
+table says how many all-reduces the engine ran zero-copy: some with the arena and none without, else
+exit status 1; `backend-mem` is left out where the backend allocates no tensors: across nodes, or
+without an arena), and `none`, which is not a way to train: a hook that communicates nothing (each
+rank keeps its own gradients), the step's floor that any hook's time is read against (it is timed,
+not checked). The models start from the same seed, see the same data and take turns step by step; a
+sample is one step on the slowest rank, started right after a barrier. Reported: median and p10-p90
+step time in ms, x vs default, and max |diff| of each model's final parameters from the default
+model's with its tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest
+parameter change of the default model) and of the parameters to float32 (64 u_fp32 x the largest
+parameter). Parameters that differ across ranks, or from default's beyond the tolerance, make the
+run exit with status 1 after the table.
 """
 
 import copy
