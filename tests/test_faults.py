@@ -78,6 +78,14 @@ def wait_for_pids(proc: subprocess.Popen, directory, nproc: int) -> list[int]:
     return read_pids(directory)
 
 
+def kill_every_rank(proc: subprocess.Popen, pids: list[int]) -> None:
+    """SIGKILLs each rank of a launched job; its launcher must then fail."""
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    rc, out, _ = finish(proc, timeout=60)
+    assert rc != 0, out
+
+
 # ---------------------------------------------------------------------------------------------
 # 1. A rank SIGKILLed in the middle of training
 
@@ -218,15 +226,11 @@ def test_every_rank_killed_mid_all_reduce_leaves_nothing_in_dev_shm(tmp_path):
     before = shm_segments()
     proc = launch(REDUCE_FOREVER, 3, tmp_path)
     try:
-        wait_for_pids(proc, tmp_path, 3)
+        pids = wait_for_pids(proc, tmp_path, 3)
         time.sleep(0.5)  # well inside the loop of 12 MB all-reduces
-        pids = read_pids(tmp_path)
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-        rc, out, _ = finish(proc, timeout=60)
+        kill_every_rank(proc, pids)
     finally:
         reap(proc)
-    assert rc != 0, out
     assert_no_job_left(tmp_path, pids)
     assert not shm_segments() - before, "a SIGKILLed job left its segment in /dev/shm"
 
