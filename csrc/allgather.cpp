@@ -3,6 +3,7 @@
 // all-gathers its input with the ranks of its local index on the other nodes (its lane), and the
 // node then all-gathers what the lanes brought, so every node's link carries each byte once.
 #include <algorithm>
+#include <atomic>
 #include <functional>
 
 #include "collectives.h"
@@ -38,23 +39,33 @@ bool allgather_in_node(NodeComm& comm, const CallMeta& mine, bool first, const v
 }
 
 // Every rank's input lies in its arena: each rank copies every peer's straight to its place, after
-// one step with no data, then waits for the peers to finish reading its own.
+// one step with no data, then waits for the peers to finish reading its own. The parts go in
+// block-sized pieces that the rank's threads take in turn.
 void allgather_in_arenas(NodeComm& comm, uint64_t step, const void* in, size_t bytes,
                          void* const* outs, Write write, const std::string& what) {
   ShmChannel& channel = comm.channel();
-  bool direct = true;
-  for (int r = 0; r < channel.size(); ++r) {
-    char* to = static_cast<char*>(outs[r]);
-    const char* from = r == channel.me() ? static_cast<const char*>(in) : comm.peer_arena(r, step);
-    if (from == nullptr) {
-      direct = false;
-      channel.read_peer(r, to, channel.posted(r, step).address, bytes, what);
-    } else if (to != from && bytes > 0) {
-      kernels().copy(to, from, bytes, write);
-    }
+  const int n = channel.size();
+  const char* froms[kMaxLocalRanks];
+  for (int r = 0; r < n; ++r) {
+    froms[r] = r == channel.me() ? static_cast<const char*>(in) : comm.peer_arena(r, step);
   }
+  const size_t piece = channel.layout().block_bytes;
+  const size_t per_part = (bytes + piece - 1) / piece;
+  std::atomic<size_t> next{0};
+  comm.run_threads(comm.threads_for(bytes * size_t(n)), [&](int) {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < per_part * size_t(n);) {
+      const int r = int(i / per_part);
+      const size_t lo = i % per_part * piece, count = std::min(piece, bytes - lo);
+      char* to = static_cast<char*>(outs[r]) + lo;
+      if (froms[r] == nullptr) {
+        channel.read_peer(r, to, channel.posted(r, step).address + lo, count, what);
+      } else if (to != froms[r] + lo) {
+        kernels().copy(to, froms[r] + lo, count, write);
+      }
+    }
+  });
   comm.finish_reads(step, what);
-  if (direct) comm.count_zero_copy();
+  if (std::find(froms, froms + n, nullptr) == froms + n) comm.count_zero_copy();
 }
 
 // Rank r's part of node n lands at outs[group rank of (n, r)]. In pieces (cross_piece_bytes), all

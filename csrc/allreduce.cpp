@@ -146,7 +146,7 @@ PeerTensors peer_tensors(const AllreduceCall& call, uint64_t step) {
 // into the wire dtype where the call compresses, sums them in rank order into its own tensor as the
 // one-shot schedule does, and writes the result into every peer's.
 void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTensors& peers,
-                       uint64_t step, int64_t b) {
+                       uint64_t step, int64_t b, std::vector<char>& scratch) {
   const Kernels& k = kernels();
   const int64_t count = x.elements(b);
   if (count == 0) return;
@@ -155,7 +155,6 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTen
   const bool converted = x.wire != x.dtype;
   const size_t raw_room = size_t(x.per_block) * x.data_size;
   const size_t wire_room = converted ? size_t(x.per_block) * x.wire_size : 0;
-  std::vector<char>& scratch = call.comm.allreduce_buffers().shared_scratch;
   scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
   const void* srcs[kMaxLocalRanks];
   for (int r = 0; r < x.ranks; ++r) {
@@ -191,7 +190,9 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTen
 // every rank's tensor into every rank's tensor, after a first step (at `step`) that carried the
 // ranks' addresses and checked the call. The shared schedule, and the zero-copy one where the
 // tensors lie in the ranks' arenas: there every block is plain loads and stores, so the call
-// copies nothing in or out and synchronises twice whatever its size.
+// copies nothing in or out and synchronises twice whatever its size. A large call's blocks are
+// claimed by every thread of the rank (workers.h): each sums a block as the rank would, so the bits
+// are the same whichever thread of whichever rank summed it.
 void allreduce_claimed(AllreduceCall& call, uint64_t step) {
   ShmChannel& channel = call.channel;
   Blocks x = call.blocks;
@@ -203,11 +204,16 @@ void allreduce_claimed(AllreduceCall& call, uint64_t step) {
   const bool zero_copy = call.meta.arena.valid() && peers.direct == x.ranks - 1;
   const uint64_t first = buffers.shared_blocks, end = first + uint64_t(x.n);
   buffers.shared_blocks = end;
-  uint64_t block = 0;
-  while (channel.claim_block(end, &block)) {
-    sum_block_for_all(call, x, peers, step, int64_t(block - first));
-    channel.block_done(end);
-  }
+  const auto claim = [&](int thread) {
+    std::vector<char>& scratch = call.comm.scratch(thread);
+    uint64_t block = 0;
+    while (channel.claim_block(end, &block)) {
+      sum_block_for_all(call, x, peers, step, int64_t(block - first), scratch);
+      channel.block_done(end);
+    }
+  };
+  const int threads = call.comm.threads_for(size_t(x.numel) * x.wire_size);
+  call.comm.run_threads(int(std::min<int64_t>(x.n, threads)), claim);
   channel.wait_blocks_done(end, call.what);
   if (zero_copy) call.comm.count_zero_copy();
 }

@@ -135,7 +135,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "always_one_shot_bytes",
           [](ShmEngine& e) { return e.comm().schedule().always_one_shot_bytes(); })
       .def_property_readonly("shared_now",
-                             [](ShmEngine& e) { return e.comm().schedule().shared_now(); })
+                             [](ShmEngine& e) {
+                               return e.comm().schedule().shared_now() !=
+                                      ScheduleChoice::kSharedNone;
+                             })
+      .def_property(
+          "threads", [](ShmEngine& e) { return e.comm().threads(); },
+          [](ShmEngine& e, int threads) {
+            py::gil_scoped_release release;
+            e.run([threads](NodeComm& comm) { comm.set_threads(threads); });
+          })
+      .def_property_readonly("threaded_calls",
+                             [](ShmEngine& e) { return e.comm().threaded_calls(); })
       .def_property_readonly("zero_copy_calls",
                              [](ShmEngine& e) { return e.comm().zero_copy_calls(); })
       .def_property_readonly("oversubscribed",

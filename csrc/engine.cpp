@@ -179,7 +179,8 @@ std::string ShmEngine::describe() const {
       out << " (" << wide_kib << " for " << wide << ")";
     }
   }
-  out << ", " << kernels().isa << " kernels";
+  out << ", " << kernels().isa << " kernels, " << comm.threads() << " thread"
+      << (comm.threads() == 1 ? "" : "s") << " per rank";
   if (!cross_node_) {
     const std::string one_shot = choice.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
@@ -187,12 +188,15 @@ std::string ShmEngine::describe() const {
       const std::string& because = channel.unreachable_because();
       out << ", shared over " << (choice.always_one_shot_bytes() >> 10) << " KiB";
       if (choice.policy() == Policy::Auto) {
-        out << " while a rank waits for its CPU";
+        out << " while a rank waits for its CPU, over " << (ScheduleChoice::kThreadedBytes >> 10)
+            << " KiB with several threads per rank";
       }
-      out << " (any rank sums any block for all, in their tensors; "
-          << (!because.empty()       ? "off: " + because
-              : !choice.shared_now() ? std::string("not now")
-                                     : std::string("now"))
+      const ScheduleChoice::Shared now = choice.shared_now();
+      out << " (any thread of any rank sums any block for all, in their tensors; "
+          << (!because.empty()                      ? "off: " + because
+              : now == ScheduleChoice::kSharedNone  ? std::string("not now")
+              : now == ScheduleChoice::kSharedLarge ? std::string("now, the large calls")
+                                                    : std::string("now"))
           << ")";
     }
   }

@@ -38,6 +38,18 @@ void NodeComm::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chun
   node_ranks_ = std::move(node_ranks);
 }
 
+void NodeComm::set_threads(int threads) {
+  TORCH_CHECK_VALUE(threads >= 1, "ddpx: a rank needs at least one thread, got ", threads);
+  workers_.resize(threads);
+  scratch_.resize(size_t(threads));
+  schedule_.set_threads(threads);
+}
+
+void NodeComm::run_threads(int threads, const std::function<void(int)>& task) {
+  workers_.run(threads, task);
+  if (threads > 1) threaded_calls_.fetch_add(1, std::memory_order_relaxed);
+}
+
 int NodeComm::group_size() const { return cross_node_ ? int(node_ranks_.size()) : channel_.size(); }
 
 int NodeComm::group_rank() const {

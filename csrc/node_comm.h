@@ -18,6 +18,7 @@
 #include "kernels/kernels.h"
 #include "schedule.h"
 #include "shm_channel.h"
+#include "workers.h"
 
 namespace ddpx {
 
@@ -38,8 +39,7 @@ constexpr size_t kStreamBytes = size_t(8) << 20;
 
 // What the all-reduce keeps from one call to the next.
 struct AllreduceBuffers {
-  uint64_t shared_blocks = 0;        // the blocks of the shared calls so far
-  std::vector<char> shared_scratch;  // the peers' blocks as the claimer reads them
+  uint64_t shared_blocks = 0;  // the blocks of the shared calls so far
   // This rank's slices summed within the node, then across nodes; shared with the transfers.
   std::shared_ptr<std::vector<char>> node_sums;
 };
@@ -70,6 +70,22 @@ class NodeComm {
   ScheduleChoice& schedule() { return schedule_; }
   const ScheduleChoice& schedule() const { return schedule_; }
   AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
+  // The threads that share a large call's blocks: this one and the helpers. Only between calls.
+  void set_threads(int threads);
+  int threads() const { return workers_.threads(); }
+  // How many threads a call that moves this many bytes runs on: the rank's from
+  // ScheduleChoice::kThreadedBytes, one below.
+  int threads_for(size_t bytes) const {
+    return bytes >= ScheduleChoice::kThreadedBytes ? threads() : 1;
+  }
+  // Runs task(0) .. task(threads - 1) on as many of the rank's threads (Workers::run), and counts
+  // the call as threaded where they were several.
+  void run_threads(int threads, const std::function<void(int)>& task);
+  // The calls so far that several of this rank's threads worked on.
+  uint64_t threaded_calls() const { return threaded_calls_.load(std::memory_order_relaxed); }
+  // Thread `thread`'s scratch, where a collective puts what it reads of a peer's tensor through the
+  // kernel (process_vm_readv).
+  std::vector<char>& scratch(int thread) { return scratch_[size_t(thread)]; }
   // The collectives so far that read every peer's tensor where it lay in its arena.
   uint64_t zero_copy_calls() const { return zero_copy_calls_.load(std::memory_order_relaxed); }
   void count_zero_copy() { zero_copy_calls_.fetch_add(1, std::memory_order_relaxed); }
@@ -149,6 +165,9 @@ class NodeComm {
   std::vector<int> node_ranks_;
   std::vector<char> lane_buffer_;
   AllreduceBuffers allreduce_buffers_;
+  Workers workers_;
+  std::vector<std::vector<char>> scratch_{1};
+  std::atomic<uint64_t> threaded_calls_{0};
   std::atomic<uint64_t> zero_copy_calls_{0};
 };
 

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "collectives.h"
@@ -60,7 +61,8 @@ bool reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
 
 // Every rank's input lies in its arena, its parts one after another: each rank sums its part of
 // every peer's input where it lies (converted into the wire first where the call compresses, as the
-// slots would hold it), then waits for the peers to finish reading its own.
+// slots would hold it), in block-sized pieces that the rank's threads take in turn, then waits for
+// the peers to finish reading its own.
 void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* ins, DType dtype,
                               void* out, DType wire, int64_t count, const SumRule& rule,
                               const std::string& what) {
@@ -75,30 +77,35 @@ void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* 
   }
   const bool converted = wire != dtype;
   const int64_t per = std::max<int64_t>(1, int64_t(channel.layout().block_bytes / size));
-  char* scratch = comm.lane_buffer(size_t(n) * size_t(per) * (size + (converted ? wire_size : 0)));
   const Write write = size_t(count) * size >= kStreamBytes ? Write::Streaming : Write::Cached;
-  const void* srcs[kMaxLocalRanks];
-  for (int64_t lo = 0; lo < count; lo += per) {
-    const int64_t todo = std::min(per, count - lo);
-    const size_t at = mine_at + size_t(lo) * size;
-    for (int r = 0; r < n; ++r) {
-      const char* raw = bases[r] + at;
-      if (bases[r] == nullptr) {
-        char* copy = scratch + size_t(r) * size_t(per) * size;
-        channel.read_peer(r, copy, channel.posted(r, step).address + at, size_t(todo) * size, what);
-        raw = copy;
+  std::atomic<int64_t> next{0};
+  comm.run_threads(comm.threads_for(size_t(count) * size * size_t(n)), [&](int thread) {
+    std::vector<char>& scratch = comm.scratch(thread);
+    scratch.resize(size_t(n) * size_t(per) * (size + (converted ? wire_size : 0)));
+    const void* srcs[kMaxLocalRanks];
+    for (int64_t lo; (lo = next.fetch_add(per, std::memory_order_relaxed)) < count;) {
+      const int64_t todo = std::min(per, count - lo);
+      const size_t at = mine_at + size_t(lo) * size;
+      for (int r = 0; r < n; ++r) {
+        const char* raw = bases[r] + at;
+        if (bases[r] == nullptr) {
+          char* copy = scratch.data() + size_t(r) * size_t(per) * size;
+          channel.read_peer(r, copy, channel.posted(r, step).address + at, size_t(todo) * size,
+                            what);
+          raw = copy;
+        }
+        srcs[r] = raw;
+        if (converted) {
+          char* wired =
+              scratch.data() + size_t(n) * size_t(per) * size + size_t(r) * size_t(per) * wire_size;
+          k.convert(wired, wire, raw, dtype, todo, rule.input_scale, Write::Cached);
+          srcs[r] = wired;
+        }
       }
-      srcs[r] = raw;
-      if (converted) {
-        char* wired =
-            scratch + size_t(n) * size_t(per) * size + size_t(r) * size_t(per) * wire_size;
-        k.convert(wired, wire, raw, dtype, todo, rule.input_scale, Write::Cached);
-        srcs[r] = wired;
-      }
+      k.reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, srcs, n, wire, todo,
+               rule.sum_scale, write);
     }
-    k.reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, srcs, n, wire, todo,
-             rule.sum_scale, write);
-  }
+  });
   comm.finish_reads(step, what);
   if (std::find(bases, bases + n, nullptr) == bases + n) comm.count_zero_copy();
 }

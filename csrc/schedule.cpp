@@ -127,14 +127,16 @@ void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::
 ScheduleChoice::Schedule ScheduleChoice::schedule_for(size_t bytes, int timed) const {
   if (timed >= 0) return scheduled(agreed_, timed);
   if (!spans_nodes_ && bytes <= always_one_shot_bytes()) return kOneShot;
-  if (agreed_shared_) return kShared;
+  if (agreed_shared_ == kSharedAll || (agreed_shared_ == kSharedLarge && bytes >= kThreadedBytes)) {
+    return kShared;
+  }
   if (policy() == Policy::Wide && may_run(size_class(bytes), kWide)) return kWide;
   return kNarrow;
 }
 
 void ScheduleChoice::begin_call() {
   schedules_.store(agreed_, std::memory_order_relaxed);
-  shared_now_.store(agreed_shared_, std::memory_order_relaxed);
+  shared_now_.store(Shared(agreed_shared_), std::memory_order_relaxed);
 }
 
 void ScheduleChoice::stamp(CallMeta& mine) const {
@@ -143,7 +145,8 @@ void ScheduleChoice::stamp(CallMeta& mine) const {
 }
 
 // Shared calls go always (Policy::Shared) or while the machine is busy (Policy::Auto: a rank
-// waited for its CPU within kBusyWindow), and need every rank to reach every peer's memory,
+// waited for its CPU within kBusyWindow), and large ones while local rank 0 has several threads
+// (Policy::Auto on an idle machine), and need every rank to reach every peer's memory,
 // which each rank finds out once all have attached (at the first call); local rank 0 learns the
 // verdicts at a later call's first step, after each rank published its own.
 void ScheduleChoice::agree(const CallMeta& zero, ShmChannel& channel) {
@@ -155,9 +158,14 @@ void ScheduleChoice::agree(const CallMeta& zero, ShmChannel& channel) {
     probed_ = true;
   }
   if (channel.me() == 0) {
-    const bool wanted = policy() == Policy::Shared ||
-                        (policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow));
-    chosen_shared_ = wanted && channel.reachable() == ShmChannel::Reach::Yes ? 1 : 0;
+    Shared wanted = kSharedNone;
+    if (policy() == Policy::Shared ||
+        (policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow))) {
+      wanted = kSharedAll;
+    } else if (policy() == Policy::Auto && threads_.load(std::memory_order_relaxed) > 1) {
+      wanted = kSharedLarge;
+    }
+    chosen_shared_ = channel.reachable() == ShmChannel::Reach::Yes ? wanted : kSharedNone;
   }
 }
 

@@ -31,6 +31,11 @@ class ScheduleChoice {
   // kShared is not timed: it comes after the timed ones, out of ScheduleTimes' arrays.
   enum Schedule { kNarrow, kWide, kOneShot, kSchedules, kShared = kSchedules };
   static constexpr std::chrono::milliseconds kBusyWindow{1000};
+  // Which all-reduces over the one-shot sizes go shared: none, all, or those of at least
+  // kThreadedBytes, whose blocks every thread of every rank claims (workers.h): Auto's choice on
+  // an idle machine where local rank 0 has several threads.
+  enum Shared : uint32_t { kSharedNone, kSharedAll, kSharedLarge };
+  static constexpr size_t kThreadedBytes = size_t(1) << 20;
   // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
   static constexpr size_t kOneShotAlways = size_t(32) << 10;
 
@@ -47,6 +52,8 @@ class ScheduleChoice {
   // that lie wholly under it are timed one-shot too.
   size_t one_shot_bytes() const { return one_shot_bytes_.load(std::memory_order_relaxed); }
   void set_one_shot_bytes(size_t bytes) { one_shot_bytes_.store(bytes, std::memory_order_relaxed); }
+  // This rank's threads (NodeComm::set_threads); local rank 0's decide Auto's choice for all.
+  void set_threads(int threads) { threads_.store(threads, std::memory_order_relaxed); }
   // Across nodes every all-reduce goes in narrow two-phase steps.
   void set_spans_nodes() { spans_nodes_ = true; }
 
@@ -66,10 +73,11 @@ class ScheduleChoice {
   void agree(const CallMeta& zero, ShmChannel& channel);
 
   // For describe(): which sizes the next calls go wide and one-shot for, as "a-b KiB" ranges;
-  // whether the last call went shared; the sizes that go one-shot whatever else is chosen.
+  // which went shared at the last call (Shared); the sizes that go one-shot whatever else is
+  // chosen.
   std::string wide_sizes() const;
   std::string one_shot_sizes() const;
-  bool shared_now() const { return shared_now_.load(std::memory_order_relaxed); }
+  Shared shared_now() const { return shared_now_.load(std::memory_order_relaxed); }
   size_t always_one_shot_bytes() const;
 
  private:
@@ -86,15 +94,16 @@ class ScheduleChoice {
   bool spans_nodes_ = false;
   std::atomic<size_t> one_shot_bytes_;
   std::atomic<Policy> policy_{Policy::Auto};
+  std::atomic<int> threads_{1};
   // This call's, agreed at the previous call's first step; describe() reads it between calls.
   std::atomic<uint64_t> schedules_{0};
   uint64_t agreed_ = 0;  // local rank 0's mask, read at this call's first step
   uint64_t chosen_ = 0;  // local rank 0's own choice, published with each call
-  // Whether the all-reduces over the one-shot sizes go shared: local rank 0's choice, published
+  // Which all-reduces over the one-shot sizes go shared (Shared): local rank 0's choice, published
   // with each call; the one agreed at this call's first step; this call's, for describe().
-  uint32_t chosen_shared_ = 0;
-  uint32_t agreed_shared_ = 0;
-  std::atomic<bool> shared_now_{false};
+  uint32_t chosen_shared_ = kSharedNone;
+  uint32_t agreed_shared_ = kSharedNone;
+  std::atomic<Shared> shared_now_{kSharedNone};
   bool probed_ = false;
   // Local rank 0's measurements per class: for each schedule, a moving average of the time per
   // byte since its last trial began, and how many calls it counted; which ran last, how many

@@ -85,8 +85,8 @@ struct alignas(64) ShmChannel::RankControl {
   // When this rank last found, at the start of a call, that its calling thread had waited for a
   // CPU a good share of the time lately (steady clock): another process or thread wanted it.
   std::atomic<int64_t> cpu_waited_ns;
-  // 1 + the shared block this rank is claiming or summing, 0 while it holds none: whom a wait for
-  // the blocks to be done is waiting for.
+  // How many of this rank's threads are claiming or summing a shared block: whom a wait for the
+  // blocks to be done is waiting for.
   std::atomic<uint64_t> summing;
   char message[512];  // why this rank rejected its input or aborted
 };
@@ -340,21 +340,21 @@ void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, b
 
 bool ShmChannel::claim_block(uint64_t end, uint64_t* block) {
   std::atomic<uint64_t>& summing = control_[me_].summing;
+  // Said before the claim, so a rank stopped between the two is still named as holding it.
+  summing.fetch_add(1, std::memory_order_relaxed);
   uint64_t next = header_->claimed_blocks.load(std::memory_order_relaxed);
   while (next < end) {
-    // Said before the claim, so a rank stopped between the two is still named as holding it.
-    summing.store(next + 1, std::memory_order_relaxed);
     if (header_->claimed_blocks.compare_exchange_weak(next, next + 1, std::memory_order_acq_rel)) {
       *block = next;
       return true;
     }
   }
-  summing.store(0, std::memory_order_relaxed);
+  summing.fetch_sub(1, std::memory_order_relaxed);
   return false;
 }
 
 void ShmChannel::block_done(uint64_t end) {
-  control_[me_].summing.store(0, std::memory_order_relaxed);
+  control_[me_].summing.fetch_sub(1, std::memory_order_relaxed);
   // Paired with the sleeper's increment-then-recheck, as in publish.
   const uint64_t done = header_->done_blocks.fetch_add(1, std::memory_order_seq_cst) + 1;
   if (done == end) header_->done_wake.ring();

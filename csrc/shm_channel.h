@@ -133,7 +133,7 @@ class ShmChannel {
   // reading and writing the others' tensors where they lie (process_vm_readv, process_vm_writev),
   // so a rank whose peers are off their CPUs does their part instead of waiting for them. Blocks
   // are numbered across calls, so no counter is ever reset: a call's are [first, end).
-  // Claims the next block below end; false once every one is claimed.
+  // Claims the next block below end; false once every one is claimed. Any thread of the rank.
   bool claim_block(uint64_t end, uint64_t* block);
   // Counts a claimed block as summed and written to every rank.
   void block_done(uint64_t end);

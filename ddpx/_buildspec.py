@@ -19,6 +19,7 @@ CPP_SOURCES = (
     "waiter.cpp",
     "shm_channel.cpp",
     "schedule.cpp",
+    "workers.cpp",
     "node_comm.cpp",
     "allreduce.cpp",
     "allgather.cpp",
