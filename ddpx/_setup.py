@@ -57,6 +57,10 @@ _ONE_SHOT_KB = settings.positive_int("DDPX_ONE_SHOT_KB")
 _CROSS_CHUNK_KB = settings.positive_int("DDPX_CROSS_CHUNK_KB")
 _CROSS_LANES = settings.positive_int("DDPX_CROSS_LANES")
 _SHM_MB = settings.optional_positive_int("DDPX_SHM_MB")
+# Threads per rank that move a large call's data (docs/design.md, "A rank's cores"); None: the
+# rank's share of its CPUs.
+_THREADS = settings.auto_or_positive_int("DDPX_THREADS")
+_told_threads = False
 
 _generation: dict[str, int] = {}
 
@@ -279,7 +283,34 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
     failures = [f for f in failures if f is not None]
     if failures:
         raise SharedMemoryUnavailable(failures[0])
+    _use_cpu_share(engine, meeting, node, index, names)
     return engine
+
+
+def _use_cpu_share(engine, meeting: Meeting, node: int, index: int, names: list[int]) -> None:
+    """Gives the engine DDPX_THREADS threads, or this rank's share of the CPUs it may run on:
+    them divided among the node's ranks that may run on any of them (all of the node's, unbound;
+    none but itself, each bound to its own cores). Where OMP_NUM_THREADS is unset (mp.spawn sets
+    nothing), torch's intra-op threads come down to that share too, as torchrun sets them to one:
+    a pool of every CPU in each rank oversubscribes the node, and its workers spin after each op
+    on the cores the ranks' communication needs (docs/design.md, "A rank's cores")."""
+    global _told_threads
+    mine = sorted(os.sched_getaffinity(0))
+    meeting.put(f"cpus/{node}/{index}", mine)
+    sharing = sum(1 for i, name in enumerate(names)
+                  if i == index or set(mine) & set(meeting.get(f"cpus/{node}/{i}", name)))
+    share = max(1, len(mine) // sharing)
+    engine.threads = _THREADS if _THREADS is not None else share
+    pool = torch.get_num_threads()
+    if "OMP_NUM_THREADS" in os.environ or pool <= share:
+        return
+    torch.set_num_threads(share)
+    if not _told_threads and index == 0:
+        _told_threads = True
+        logger.warning(
+            "ddpx: OMP_NUM_THREADS is unset and torch ran %d intra-op threads per rank, with %d "
+            "ranks on these %d CPUs: ddpx set torch.set_num_threads(%d), each rank's share. Set "
+            "OMP_NUM_THREADS to choose another number.", pool, sharing, len(mine), share)
 
 
 # (global ranks, one per node in node order; index) -> their process group. Weak: torch holds a

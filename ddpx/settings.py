@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["SETTINGS", "describe", "flag", "optional_positive_int", "positive_int", "value"]
+__all__ = ["SETTINGS", "auto_or_positive_int", "describe", "flag", "optional_positive_int",
+           "positive_int", "value"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ SETTINGS = (
             "where all-reduces copy nothing in or out: on a ddpx group DDP allocates them there "
             "(ddpx sets DDP_DISABLE_COMM_MEM=0 where the user has not and no GPU is visible), "
             "and ddpx's fused hook on any other group moves each there when it first meets it"),
+    Setting("DDPX_THREADS", "auto",
+            "threads per rank that move a large call's data; `auto`: the rank's share of the "
+            "CPUs it may run on (divided among the local ranks that may run there too), which "
+            "is also torch's intra-op threads where OMP_NUM_THREADS is unset"),
     Setting("DDPX_STRICT", None, "`1`: raise instead of falling back to the process group"),
     Setting("DDPX_CACHE_DIR", "~/.cache/ddpx", "where a build at first use goes"),
     Setting("DDPX_SKIP_CUDA", None, "`1`: build without the CUDA kernels"),
@@ -65,6 +70,11 @@ def positive_int(name: str) -> int:
 def optional_positive_int(name: str) -> int | None:
     """``positive_int``, or None where the variable is unset and has no default."""
     return None if value(name) is None else positive_int(name)
+
+
+def auto_or_positive_int(name: str) -> int | None:
+    """``positive_int``, or None where the variable says ``auto``."""
+    return None if value(name) == "auto" else positive_int(name)
 
 
 def flag(name: str) -> bool:

@@ -835,8 +835,8 @@ PEER_DIES = f"""
             assert t[0].item() == 1.0 and t[-1].item() == 1.0, t
     except Exception as error:
         waited = time.monotonic() - started
-        open(f"error.{{rank}}", "w").write(
-            f"{{waited:.1f}} {{calls}} {{engine.zero_copy_calls}}\\n{{error}}")
+        open(f"error.{{rank}}", "w").write(f"{{waited:.1f}} {{calls}} {{engine.zero_copy_calls}} "
+                                          f"{{engine.threaded_calls}}\\n{{error}}")
         raise
     print("UNREACHABLE: all-reduced with a dead peer", flush=True)
 """
@@ -849,10 +849,11 @@ def job_shm(before: set[str]) -> set[str]:
             if name.startswith("ddpx-") or "arena" in name}
 
 
-@pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, tmp_path):
+# With 3 threads per rank, a survivor's helpers are mid-block when the peer dies.
+@pytest.mark.parametrize("how, threads", [("exit", 1), ("sigkill", 1), ("sigkill", 3)])
+def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, threads, tmp_path):
     before = set(os.listdir("/dev/shm"))
-    proc = launch(PEER_DIES, 3, tmp_path, how)
+    proc = launch(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)})
     try:
         rc, out, _ = finish(proc, timeout=120)
     finally:
@@ -862,8 +863,10 @@ def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, tmp
     assert sorted(raised) == ["error.0", "error.2"], out
     for name, text in raised.items():
         head, error = text.split("\n", 1)
-        waited, calls, zero_copy = head.split()
+        waited, calls, zero_copy, threaded = head.split()
         assert int(calls) >= 10 and int(zero_copy) >= int(calls), (name, head)
+        # Every 32 MB call was claimed by the rank's 3 threads, and by its one thread otherwise.
+        assert int(threaded) >= int(calls) if threads > 1 else int(threaded) == 0, (name, head)
         assert error.startswith("ddpx") or "ddpx:" in error, (name, error)
         assert "rank 1" in error, (name, error)
         # Raised because the peer died, well before the group's timeout would have ended it.
