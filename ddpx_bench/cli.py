@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from ddpx_bench.common import MPI_WORKDIR
+from ddpx_bench.common import MPI_WORKDIR, use_threads
 from ddpx_bench.launch import BINDINGS, launched, mpirun_rank, on_testbed, spawned
-from ddpx_bench.mode import MODES, int_list, non_negative, positive
+from ddpx_bench.mode import MODES, int_list, non_negative, positive, threads
 from ddpx_bench.report import report
 
 
@@ -120,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.exit(2, f"ddpx-bench: --runs launches the ranks afresh, which it does for "
                        f"{_modes_with_runs()} on this machine (not with --link, nor under a "
                        "launcher): leave --runs out\n")
+    if "WORLD_SIZE" in os.environ and args.threads != 1:
+        parser.exit(2, "ddpx-bench: under a launcher the ranks' threads are the launcher's "
+                       "environment's: set OMP_NUM_THREADS and DDPX_THREADS there and leave "
+                       "--threads out\n")
     if args.link and args.load:
         parser.exit(2, "ddpx-bench: --load with --link would load every node's cores, which are "
                        "the same cores: leave one of them out\n")
@@ -156,6 +160,16 @@ def _common_options(world_sizes: list[int]) -> argparse.ArgumentParser:
         "are the median over them with the worst beside it, the JSON keeps every run",
     )
     common.add_argument(
+        "--threads",
+        type=threads,
+        default=1,
+        metavar="T",
+        help="threads per rank for torch, OpenMP (DeepSpeed's op) and ddpx (DDPX_THREADS), the "
+        "same for every engine (default 1); 'default': leave OMP_NUM_THREADS and DDPX_THREADS "
+        "unset, as mp.spawn does: torch's default, which ddpx lowers to each rank's share of the "
+        "CPUs",
+    )
+    common.add_argument(
         "--bind",
         choices=BINDINGS,
         default="none",
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    if MPI_WORKDIR not in os.environ and "WORLD_SIZE" not in os.environ:
+        use_threads(args.threads)
     try:
         if MPI_WORKDIR in os.environ:
             result = mpirun_rank(args)

@@ -39,9 +39,27 @@ WIRE = {
     "torch-bf16": "bf16",
 }
 UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
-THREADS_PER_RANK = 1
 # Set by ddpx-bench for the ranks it starts with mpirun: their temporary folder (the FileStore's).
 MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
+
+
+def use_threads(threads: int | None) -> None:
+    """The environment of the ranks this process starts: `threads` each for torch, OpenMP
+    (DeepSpeed's op) and ddpx; None: as a launcher that sets none leaves it (mp.spawn)."""
+    for name in ("OMP_NUM_THREADS", "DDPX_THREADS"):
+        if threads is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(threads)
+
+
+def threads_line(machine: dict) -> str:
+    """The report header's words for the ranks' threads."""
+    threads = machine["threads_per_rank"]
+    if threads == "default":
+        return (f"torch's default threads per rank (OMP_NUM_THREADS unset; rank 0 ran "
+                f"{machine['rank_threads']} after ddpx started)")
+    return f"{threads} thread{'' if threads == 1 else 's'} per rank"
 
 
 def say(message: str) -> None:

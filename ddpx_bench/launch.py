@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddpx_bench.common import MPI_WORKDIR, THREADS_PER_RANK, mpirun_path, say
+from ddpx_bench.common import MPI_WORKDIR, mpirun_path, say
 from ddpx_bench.mode import MODES
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
@@ -125,6 +125,7 @@ def _merged(results: list[dict]) -> dict:
         "left_out": {name: why for result in results for name, why in result["left_out"].items()},
         "notes": list(dict.fromkeys(note for result in results for note in result["notes"])),
         "failures": [failure for result in results for failure in result["failures"]],
+        "rank_threads": max(result["rank_threads"] for result in results),
     }
 
 
@@ -279,9 +280,11 @@ def cpu_load(per_core: int):
 
 
 def _run_rank(args) -> dict:
-    torch.set_num_threads(THREADS_PER_RANK)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         result = MODES[args.mode].run(args)
+        result["rank_threads"] = torch.get_num_threads()
         dist.barrier()  # the load, if any, stops after the last rank is done
         return result
     finally:

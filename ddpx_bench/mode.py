@@ -126,6 +126,11 @@ def positive(text: str) -> int:
     return value
 
 
+def threads(text: str) -> int | None:
+    """--threads: a count, or None for "default"."""
+    return None if text == "default" else positive(text)
+
+
 def int_list(text: str) -> list[int]:
     return [int(item) for item in text.split(",")]
 

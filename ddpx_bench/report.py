@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import ddpx
-from ddpx_bench.common import THREADS_PER_RANK
+from ddpx_bench.common import threads_line
 
 # What a sample is, for the modes that time calls or steps (Mode.measured's "timing").
 PER_CALL = "a sample: the slowest rank's mean time per call in a batch begun after a barrier"
@@ -28,7 +28,7 @@ def report(mode, args, argv: list[str], result: dict) -> None:
         "mode": args.mode,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join([sys.executable, "-m", "ddpx_bench", *argv]),
-        "machine": machine(),
+        "machine": machine(args, result.pop("rank_threads")),
         "settings": {
             key: str(value) if isinstance(value, Path) else value
             for key, value in vars(args).items()
@@ -46,11 +46,14 @@ def report(mode, args, argv: list[str], result: dict) -> None:
         mode.plot(document["rows"], args.plot)
 
 
-def machine() -> dict:
+def machine(args, rank_threads: int) -> dict:
+    """The machine, and the ranks' threads: as --threads set them ("default": as torch and ddpx
+    left them, rank 0's torch ending with rank_threads)."""
     return {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
-        "threads_per_rank": THREADS_PER_RANK,
+        "threads_per_rank": "default" if args.threads is None else args.threads,
+        "rank_threads": rank_threads,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ddpx": ddpx.build_info(),
@@ -90,7 +93,7 @@ def format_report(document: dict, table, header: Sequence[str] = ()) -> str:
     machine = document["machine"]
     lines = [
         f"ddpx bench {document['mode']}: {machine['cpu']}, {machine['cores']} cores, "
-        f"{machine['threads_per_rank']} thread per rank, torch {machine['torch']}",
+        f"{threads_line(machine)}, torch {machine['torch']}",
         *header,
         f"timing: {document['timing']}; median and p10-p90 over the samples"
         if "timing" in document

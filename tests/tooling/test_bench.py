@@ -104,7 +104,9 @@ def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict,
     document = json.loads(json_path.read_text())
     assert DOCUMENT_KEYS <= set(document)
     assert MACHINE_KEYS <= set(document["machine"])
-    assert document["machine"]["threads_per_rank"] == 1
+    threads = args[args.index("--threads") + 1] if "--threads" in args else "1"
+    assert document["machine"]["threads_per_rank"] == (int(threads) if threads.isdigit()
+                                                       else threads)
     assert document["failures"] == []
     assert ("timing" in document) != ("errors" in document)
     if ddpx_built():
@@ -168,6 +170,25 @@ def test_allreduce(tmp_path):
     assert "load: none (idle)" in stdout
     assert document["settings"]["load"] == 0 and document["settings"]["load_pids"] == []
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
+
+
+@pytest.mark.parametrize("threads", ["2", "default"])
+def test_allreduce_gives_every_rank_its_threads_and_says_so(tmp_path, threads):
+    options = "--sizes 2M --iters 3 --min_time 0.05 --warmup 1 --engines gloo,ddpx,copy".split()
+    document, stdout = run_bench(tmp_path, "allreduce", *options, "--threads", threads)
+    header = stdout.splitlines()[0]
+    if threads == "2":
+        assert document["machine"]["rank_threads"] == 2
+        assert ", 2 threads per rank, torch" in header, header
+        want = 2
+    else:
+        # mp.spawn's ranks with no OMP_NUM_THREADS: ddpx lowers torch's to each rank's share.
+        want = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert document["machine"]["rank_threads"] == want
+        assert (f"torch's default threads per rank (OMP_NUM_THREADS unset; rank 0 ran {want} "
+                "after ddpx started)") in header, header
+    if ddpx_built():
+        assert re.search(rf"note: ddpx on 2 ranks: .*, {want} threads? per rank", stdout), stdout
 
 
 # What `ddpx-bench allreduce --quick` promises: 2 ranks, DDP's bucket sizes, what every install has.
