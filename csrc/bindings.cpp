@@ -44,6 +44,29 @@ Request make_request(double scale, std::optional<at::ScalarType> wire, std::stri
   return Request{scale, wire, std::move(what)};
 }
 
+const char* numa_mode_name(NumaRange::Mode mode) {
+  return mode == NumaRange::Mode::Preferred ? "preferred" : "interleave";
+}
+
+NumaRange numa_range_of(const py::tuple& range) {
+  TORCH_CHECK_VALUE(range.size() == 4, "ddpx: a placement range is (offset, bytes, mode, nodes)");
+  const auto mode = range[2].cast<std::string>();
+  TORCH_CHECK_VALUE(mode == "preferred" || mode == "interleave",
+                    "ddpx: a placement's mode is 'preferred' or 'interleave', not '", mode, "'");
+  return NumaRange{range[0].cast<size_t>(), range[1].cast<size_t>(),
+                   mode == "preferred" ? NumaRange::Mode::Preferred : NumaRange::Mode::Interleaved,
+                   range[3].cast<std::vector<int>>()};
+}
+
+py::dict numa_where_dict(uintptr_t address) {
+  const NumaWhere where = numa_where(reinterpret_cast<const void*>(address));
+  py::dict out;
+  out["node"] = where.node;
+  out["policy"] = where.policy;
+  out["nodes"] = where.nodes;
+  return out;
+}
+
 }  // namespace
 
 #ifdef DDPX_WITH_CUDA
@@ -63,12 +86,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 
   py::class_<ShmSegment, std::shared_ptr<ShmSegment>>(m, "ShmSegment", py::module_local())
-      .def_static("create", &ShmSegment::create, py::arg("name"), py::arg("nbytes"),
-                  py::call_guard<py::gil_scoped_release>())
+      .def_static(
+          "create",
+          [](const std::string& name, size_t nbytes, const std::vector<py::tuple>& placement) {
+            std::vector<NumaRange> ranges;
+            for (const py::tuple& r : placement) ranges.push_back(numa_range_of(r));
+            py::gil_scoped_release release;
+            return ShmSegment::create(name, nbytes, ranges);
+          },
+          py::arg("name"), py::arg("nbytes"), py::arg("placement") = std::vector<py::tuple>())
       .def_static("attach", &ShmSegment::attach, py::arg("name"), py::arg("nbytes"),
                   py::call_guard<py::gil_scoped_release>())
       .def_static("unlink", &ShmSegment::unlink, py::arg("name"))
-      .def_property_readonly("nbytes", &ShmSegment::size);
+      .def_property_readonly("nbytes", &ShmSegment::size)
+      .def_property_readonly("not_placed", &ShmSegment::not_placed)
+      .def_property_readonly(
+          "address", [](const ShmSegment& s) { return reinterpret_cast<uintptr_t>(s.data()); });
+
+  // NUMA placement (numa.h): the segment's ranges as (offset, bytes, mode, nodes), mode
+  // "preferred" or "interleave"; and where the page at an address lies.
+  m.def(
+      "shm_numa_ranges",
+      [](int nranks, size_t block_bytes, size_t wide_bytes, const std::vector<int>& rank_nodes) {
+        std::vector<py::tuple> out;
+        for (const NumaRange& r :
+             ShmLayout{nranks, block_bytes, wide_bytes}.numa_ranges(rank_nodes)) {
+          out.push_back(py::make_tuple(r.offset, r.bytes, numa_mode_name(r.mode), r.nodes));
+        }
+        return out;
+      },
+      py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"), py::arg("rank_nodes"));
+  m.def(
+      "numa_where", [](uintptr_t address) { return numa_where_dict(address); }, py::arg("address"));
 
   m.def(
       "shm_segment_bytes",
@@ -149,6 +198,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              [](ShmEngine& e) { return e.comm().threaded_calls(); })
       .def_property_readonly("zero_copy_calls",
                              [](ShmEngine& e) { return e.comm().zero_copy_calls(); })
+      .def_property_readonly("numa", &ShmEngine::numa)
+      // Where the first page of each local rank's input slots lies, then the output slots'.
+      .def_property_readonly(
+          "slot_memory",
+          [](ShmEngine& e) {
+            const ShmChannel& channel = e.comm().channel();
+            py::list out;
+            for (int r = 0; r < channel.size(); ++r) {
+              out.append(numa_where_dict(reinterpret_cast<uintptr_t>(channel.input_slot(r, 0))));
+            }
+            out.append(numa_where_dict(reinterpret_cast<uintptr_t>(channel.output_slot(0))));
+            return out;
+          })
       .def_property_readonly("oversubscribed",
                              [](ShmEngine& e) { return e.comm().channel().oversubscribed(); })
       .def_property_readonly("wait_stats", [](const ShmEngine& e) {
@@ -193,7 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          int local_rank, std::vector<int> ranks, size_t one_shot_bytes, double timeout_s,
          bool initialize, std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> cross_node_groups,
          size_t cross_chunk_bytes, std::optional<c10::intrusive_ptr<c10d::Store>> store,
-         std::string abort_key, std::vector<int> node_ranks) {
+         std::string abort_key, std::vector<int> node_ranks, std::string numa) {
         auto timeout = std::chrono::milliseconds(int64_t(timeout_s * 1000.0));
         auto comm = std::make_unique<NodeComm>(
             std::move(segment), ShmLayout{nranks, block_bytes, wide_bytes}, local_rank,
@@ -204,15 +266,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                        store.value_or(c10::intrusive_ptr<c10d::Store>()),
                                        std::move(abort_key));
         }
-        return std::make_shared<ShmEngine>(std::move(comm), std::move(cross_node),
-                                           cross_chunk_bytes, std::move(node_ranks));
+        auto engine = std::make_shared<ShmEngine>(std::move(comm), std::move(cross_node),
+                                                  cross_chunk_bytes, std::move(node_ranks));
+        engine->set_numa(std::move(numa));
+        return engine;
       },
       py::arg("segment"), py::arg("nranks"), py::arg("block_bytes"), py::arg("wide_bytes"),
       py::arg("local_rank"), py::arg("ranks"), py::arg("one_shot_bytes"), py::arg("timeout_s"),
       py::arg("initialize"),
       py::arg("cross_node_groups") = std::vector<c10::intrusive_ptr<c10d::ProcessGroup>>(),
       py::arg("cross_chunk_bytes") = size_t(0), py::arg("store") = py::none(),
-      py::arg("abort_key") = std::string(), py::arg("node_ranks") = std::vector<int>());
+      py::arg("abort_key") = std::string(), py::arg("node_ranks") = std::vector<int>(),
+      py::arg("numa") = std::string());
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init([](int rank, int size, std::chrono::milliseconds timeout,

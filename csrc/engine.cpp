@@ -213,6 +213,7 @@ std::string ShmEngine::describe() const {
       if (use.fell_back) out << ", some communication memory in ordinary memory";
     }
   }
+  if (!numa_.empty()) out << "; " << numa_;
   out << "; " << channel.wait_policy();
   if (cross_node_) {
     out << ", hierarchical across " << cross_node_->nodes() << " nodes through the process group";

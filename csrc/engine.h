@@ -82,6 +82,9 @@ class ShmEngine final : public Engine {
   ShmChannel::WaitStats wait_stats() const { return queue_->comm->channel().wait_stats(); }
   // The communicator, for its settings and for set-up; collectives go through run and submit.
   NodeComm& comm() { return *queue_->comm; }
+  // Where the node's slots lie on its NUMA nodes, in words (ddpx/_numa.py), for describe().
+  void set_numa(std::string numa) { numa_ = std::move(numa); }
+  const std::string& numa() const { return numa_; }
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last
@@ -104,6 +107,7 @@ class ShmEngine final : public Engine {
   std::shared_ptr<Queue> queue_;
   std::thread worker_;
   std::shared_ptr<CrossNode> cross_node_;
+  std::string numa_;
 };
 
 class ProcessGroupEngine final : public Engine {

@@ -118,6 +118,26 @@ size_t ShmLayout::p2p_offset() const {
 
 size_t ShmLayout::segment_bytes() const { return p2p_offset() + P2PLayout{nranks}.bytes(); }
 
+std::vector<NumaRange> ShmLayout::numa_ranges(const std::vector<int>& rank_nodes) const {
+  TORCH_CHECK_VALUE(int(rank_nodes.size()) == nranks, "ddpx: ", rank_nodes.size(),
+                    " ranks' NUMA nodes for a segment of ", nranks, " ranks");
+  // As ShmChannel::input_slot and output_slot lay them out: a rank's two input slots together.
+  const size_t inputs = data_offset();
+  const size_t outputs = inputs + 2 * size_t(nranks) * wide_bytes;
+  std::vector<NumaRange> ranges;
+  for (int r = 0; r < nranks; ++r) {
+    const int node = rank_nodes[size_t(r)];
+    ranges.push_back(NumaRange{
+        inputs + 2 * size_t(r) * wide_bytes, 2 * wide_bytes, NumaRange::Mode::Preferred, {node}});
+  }
+  std::vector<int> nodes(rank_nodes);
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  const auto mode = nodes.size() == 1 ? NumaRange::Mode::Preferred : NumaRange::Mode::Interleaved;
+  ranges.push_back(NumaRange{outputs, p2p_offset() - outputs, mode, nodes});
+  return ranges;
+}
+
 ShmChannel::ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
                        std::vector<int> ranks, std::chrono::milliseconds timeout, bool initialize)
     : segment_(std::move(segment)),

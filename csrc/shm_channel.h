@@ -45,6 +45,12 @@ struct ShmLayout {
   size_t data_offset() const;
   // Where the point-to-point rings start (shm_p2p.h), after the collectives' slots.
   size_t p2p_offset() const;
+  // Where the slots' pages go on a machine of several NUMA nodes, rank_nodes[i] being the node
+  // local rank i runs on: each rank's input slots on its node, the output slots page by page
+  // over the ranks' nodes (every rank reads all of a sum, and which of its bytes a rank sums
+  // depends on the call's dtype and step, so no node is nearer to all of them). The header, the
+  // control blocks and the point-to-point rings go where they would have.
+  std::vector<NumaRange> numa_ranges(const std::vector<int>& rank_nodes) const;
 };
 
 // What a rank says about the call that starts at a step, for its peers to check against theirs.

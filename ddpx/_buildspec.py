@@ -15,6 +15,7 @@ CPP_SOURCES = (
     "kernels/kernels.cpp",
     "kernels/kernels_avx2.cpp",
     "shm_segment.cpp",
+    "numa.cpp",
     "arena.cpp",
     "waiter.cpp",
     "shm_channel.cpp",
