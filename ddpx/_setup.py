@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _ProcessGroupWrapper
 
-from ddpx import settings
+from ddpx import _numa, settings
 from ddpx._ext import extension
 
 __all__ = [
@@ -174,9 +174,12 @@ class Meeting:
             ) from None
 
 
-def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
+def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int,
+                    rank_nodes: list[int] | None = None):
     """The segment and its wide block: the one asked for, halved while it would take more than
-    half of what /dev/shm has free (or more than DDPX_SHM_MB), down to the block itself."""
+    half of what /dev/shm has free (or more than DDPX_SHM_MB), down to the block itself. With
+    ``rank_nodes``, each local rank's slots go on that NUMA node (``segment.not_placed``: why
+    not)."""
     C = extension()
     _remove_stale_segments()
     free = _shm_free_bytes()
@@ -195,7 +198,9 @@ def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int):
             f"/dev/shm has {free >> 20} MiB free and {needs}: start the container with a larger "
             "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
         )
-    return C.ShmSegment.create(name, nbytes), wide_bytes
+    placement = ([] if rank_nodes is None
+                 else C.shm_numa_ranges(size, block_bytes, wide_bytes, rank_nodes))
+    return C.ShmSegment.create(name, nbytes, placement), wide_bytes
 
 
 class SharedMemoryUnavailable(Exception):
@@ -222,6 +227,7 @@ class EngineOptions:
     store: object  # where a rank that gives up across nodes puts why, under abort_key
     abort_key: str
     node_ranks: list[int]  # the group ranks node by node, where the group spans nodes
+    numa: str  # where the segment's slots lie on the machine's NUMA nodes, for describe()
 
 
 def _make_shm_engine(options: EngineOptions):
@@ -242,30 +248,40 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
     if cross_node:  # the nodes would have to agree on every call's steps: narrow ones only
         wide_bytes = block_bytes
 
-    def engine_on(segment, wide_bytes: int):
+    def engine_on(segment, wide_bytes: int, numa: str):
         return _make_shm_engine(EngineOptions(
             segment=segment, nranks=size, block_bytes=block_bytes, wide_bytes=wide_bytes,
             local_rank=index, ranks=names, one_shot_bytes=one_shot_bytes,
             timeout_s=timeout.total_seconds(), initialize=index == 0,
             cross_node_groups=cross_node, cross_chunk_bytes=cross_chunk_bytes(),
-            store=meeting.store, abort_key=f"{meeting.prefix}/abort", node_ranks=node_ranks))
+            store=meeting.store, abort_key=f"{meeting.prefix}/abort", node_ranks=node_ranks,
+            numa=numa))
 
+    cpus = _numa.format_cpulist(os.sched_getaffinity(0))
     if index == 0:
+        # The pages are allocated as the segment is made: every rank's NUMA node is known first.
+        rank_cpus = [cpus] + [meeting.get(f"cpus/{node}/{i}", names[i]) for i in range(1, size)]
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
-            segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes)
-            engine = engine_on(segment, wide_bytes)
+            topology = _numa.topology()
+            rank_nodes = _numa.rank_nodes(topology, [_numa.parse_cpulist(c) for c in rank_cpus])
+            placed = _numa.placeable(topology, rank_nodes)
+            segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes,
+                                                  rank_nodes if placed else None)
+            numa = _numa.layout_text(topology, rank_nodes, segment.not_placed)
+            engine = engine_on(segment, wide_bytes, numa)
         except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
             meeting.put(f"segment/{node}", {"error": str(error)})
             C.ShmSegment.unlink(name)
             raise SharedMemoryUnavailable(str(error)) from None
-        meeting.put(f"segment/{node}", {"name": name, "wide_bytes": wide_bytes})
+        meeting.put(f"segment/{node}", {"name": name, "wide_bytes": wide_bytes, "numa": numa})
         try:
             failures = [meeting.get(f"attached/{node}/{i}", names[i])
                         for i in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
     else:
+        meeting.put(f"cpus/{node}/{index}", cpus)
         segment_of_node = meeting.get(f"segment/{node}", names[0])
         if "error" in segment_of_node:
             raise SharedMemoryUnavailable(segment_of_node["error"])
@@ -274,7 +290,7 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
         try:
             segment = C.ShmSegment.attach(segment_of_node["name"],
                                           C.shm_segment_bytes(size, block_bytes, wide_bytes))
-            engine = engine_on(segment, wide_bytes)
+            engine = engine_on(segment, wide_bytes, segment_of_node["numa"])
         except Exception as error:  # noqa: BLE001
             failure = f"rank {ranks[me]} could not map the segment: {error}"
         meeting.put(f"attached/{node}/{index}", failure)

@@ -1,7 +1,9 @@
 """Every DDPX_* environment variable ddpx reads, its default and its meaning, in one place.
 
 ddpx reads them when it is imported (the build-time ones when it is built). ``describe()`` lists
-them with the values in effect; the README's settings table is this list.
+them with the values in effect; the README's settings table is this list. Not among them: the
+tests' own ``DDPX_TEST_*`` variables, such as ``DDPX_TEST_NUMA_NODES`` (ddpx/_numa.py), which
+fakes the machine's NUMA nodes for tests and is no user's setting.
 """
 
 from __future__ import annotations
