@@ -257,14 +257,17 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
             store=meeting.store, abort_key=f"{meeting.prefix}/abort", node_ranks=node_ranks,
             numa=numa))
 
-    cpus = _numa.format_cpulist(os.sched_getaffinity(0))
+    # The CPUs each rank may run on: local rank 0 places the slots by them (the pages are
+    # allocated as the segment is made, so every rank's NUMA node is known first), and each rank
+    # takes its share of its own (_use_cpu_share).
+    meeting.put(f"cpus/{node}/{index}", _numa.format_cpulist(os.sched_getaffinity(0)))
+    rank_cpus = [_numa.parse_cpulist(meeting.get(f"cpus/{node}/{i}", names[i]))
+                 for i in range(size)]
     if index == 0:
-        # The pages are allocated as the segment is made: every rank's NUMA node is known first.
-        rank_cpus = [cpus] + [meeting.get(f"cpus/{node}/{i}", names[i]) for i in range(1, size)]
         name = f"/{_SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         try:
             topology = _numa.topology()
-            rank_nodes = _numa.rank_nodes(topology, [_numa.parse_cpulist(c) for c in rank_cpus])
+            rank_nodes = _numa.rank_nodes(topology, rank_cpus)
             placed = _numa.placeable(topology, rank_nodes)
             segment, wide_bytes = _create_segment(name, size, block_bytes, wide_bytes,
                                                   rank_nodes if placed else None)
@@ -281,7 +284,6 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
         finally:
             C.ShmSegment.unlink(name)
     else:
-        meeting.put(f"cpus/{node}/{index}", cpus)
         segment_of_node = meeting.get(f"segment/{node}", names[0])
         if "error" in segment_of_node:
             raise SharedMemoryUnavailable(segment_of_node["error"])
@@ -299,22 +301,21 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
     failures = [f for f in failures if f is not None]
     if failures:
         raise SharedMemoryUnavailable(failures[0])
-    _use_cpu_share(engine, meeting, node, index, names)
+    _use_cpu_share(engine, index, rank_cpus)
     return engine
 
 
-def _use_cpu_share(engine, meeting: Meeting, node: int, index: int, names: list[int]) -> None:
-    """Gives the engine DDPX_THREADS threads, or this rank's share of the CPUs it may run on:
-    them divided among the node's ranks that may run on any of them (all of the node's, unbound;
-    none but itself, each bound to its own cores). Where OMP_NUM_THREADS is unset (mp.spawn sets
-    nothing), torch's intra-op threads come down to that share too, as torchrun sets them to one:
-    a pool of every CPU in each rank oversubscribes the node, and its workers spin after each op
-    on the cores the ranks' communication needs (docs/design.md, "A rank's cores")."""
+def _use_cpu_share(engine, index: int, rank_cpus: list[frozenset[int]]) -> None:
+    """Gives the engine DDPX_THREADS threads, or local rank ``index``'s share of the CPUs it may
+    run on (``rank_cpus``, by local rank): them divided among the node's ranks that may run on
+    any of them (all of the node's, unbound; none but itself, each bound to its own cores). Where
+    OMP_NUM_THREADS is unset (mp.spawn sets nothing), torch's intra-op threads come down to that
+    share too, as torchrun and Accelerate set them for their launches: a pool of every CPU in each
+    rank oversubscribes the node, and its workers spin after each op on the cores the ranks'
+    communication needs (docs/design.md, "A rank's cores")."""
     global _told_threads
-    mine = sorted(os.sched_getaffinity(0))
-    meeting.put(f"cpus/{node}/{index}", mine)
-    sharing = sum(1 for i, name in enumerate(names)
-                  if i == index or set(mine) & set(meeting.get(f"cpus/{node}/{i}", name)))
+    mine = rank_cpus[index]
+    sharing = sum(1 for cpus in rank_cpus if cpus & mine)
     share = max(1, len(mine) // sharing)
     engine.threads = _THREADS if _THREADS is not None else share
     pool = torch.get_num_threads()

@@ -103,11 +103,7 @@ class _Engine:
 def _share(monkeypatch, mine, peers, pool, omp=None, setting=None):
     """What _use_cpu_share does for local rank 0 allowed ``mine``, its peers ``peers``, with
     torch running ``pool`` threads: (engine threads, torch threads set or None)."""
-    meeting = _setup.Meeting(dist.HashStore(), "test")
-    for i, cpus in enumerate(peers, start=1):
-        meeting.put(f"cpus/0/{i}", sorted(cpus))
     set_to = []
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mine))
     monkeypatch.setattr(torch, "get_num_threads", lambda: pool)
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
     monkeypatch.setattr(_setup, "_THREADS", setting)
@@ -117,7 +113,7 @@ def _share(monkeypatch, mine, peers, pool, omp=None, setting=None):
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     engine = _Engine()
-    _setup._use_cpu_share(engine, meeting, 0, 0, list(range(len(peers) + 1)))
+    _setup._use_cpu_share(engine, 0, [frozenset(cpus) for cpus in [mine, *peers]])
     return engine.threads, set_to[0] if set_to else None
 
 
