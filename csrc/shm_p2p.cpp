@@ -26,8 +26,12 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kFrame = 64;  // a message's frame, and what its bytes are padded to
 // The rings of all pairs together take about this much, each between the bounds below.
 constexpr size_t kRingsBudget = size_t(16) << 20;
-constexpr size_t kMinRing = size_t(64) << 10;
+constexpr size_t kMinRing = size_t(4) << 10;
 constexpr size_t kMaxRing = size_t(2) << 20;
+// So that the segment of a full node fits a container's 64 MiB /dev/shm (docs/design.md, "Many
+// ranks per node"), the rings stay within the budget at every rank count.
+static_assert(kMinRing * kMaxLocalRanks * (kMaxLocalRanks - 1) <= kRingsBudget,
+              "the smallest rings of a full node exceed the rings' budget");
 constexpr size_t kPiecesPerRing = 8;
 // How long the thread leaves a new send or receive to its caller before it moves it itself.
 constexpr auto kGrace = std::chrono::microseconds(100);
