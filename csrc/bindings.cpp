@@ -119,6 +119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "numa_where", [](uintptr_t address) { return numa_where_dict(address); }, py::arg("address"));
 
+  // How many ranks of one group a node's shared-memory engine serves at most.
+  m.attr("max_local_ranks") = kMaxLocalRanks;
   m.def(
       "shm_segment_bytes",
       [](int nranks, size_t block_bytes, size_t wide_bytes) {

@@ -376,6 +376,16 @@ def create_node_engine(meeting: Meeting, me: int, ranks: list[int], timeout: tim
             f"ddpx: the job's nodes run different numbers of ranks ({[len(m) for m in members]});"
             " the hierarchical all-reduce needs the same number on every node: launch every node "
             "with the same --nproc_per_node / --num_processes")
+    if len(members[node]) > extension().max_local_ranks:
+        # Every rank sees the same node sizes: all of them take this path, no segment is made.
+        reason = (f"{len(members[node])} ranks of this group share a node, and the shared-memory "
+                  f"engine serves at most {extension().max_local_ranks} per node: launch at most "
+                  f"{extension().max_local_ranks} processes per node, or reduce over groups of at "
+                  f"most that many ranks per node (torch.distributed.new_group)")
+        if settings.flag("DDPX_STRICT"):
+            raise RuntimeError(f"ddpx: {reason} (DDPX_STRICT=1 forbids the process-group "
+                               "fallback)")
+        raise SharedMemoryUnavailable(reason)
     index = members[node].index(me)
     cross_node = (make_cross_node_groups([ranks[m[index]] for m in members])
                   if len(names) > 1 else [])
