@@ -27,6 +27,10 @@ import torch
 import torch.multiprocessing as mp
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+# How many times longer than here the harness waits for ranks and jobs to start and finish:
+# tools/arm_run.sh runs tests under qemu-aarch64, where each process takes about a minute to
+# import torch. What the tests assert of ddpx itself (how soon it raises, group timeouts) stays.
+TIME_SCALE = float(os.environ.get("DDPX_TEST_TIME_SCALE", "1"))
 
 
 def _serve(rank, world_size, store_path, tasks, results, env, backend, group_timeout):
@@ -304,6 +308,7 @@ class RankPool:
         """{rank: (status, value)} as the ranks report, until all have, one reports an error,
         every silent rank has exited, or the timeout passes (then also a failure message)."""
         outcome = {}
+        timeout *= TIME_SCALE
         deadline = time.monotonic() + timeout
         while len(outcome) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in outcome]
@@ -327,7 +332,7 @@ class RankPool:
         30 s are killed)."""
         for tasks in self._tasks:
             tasks.put(None)
-        self._end(grace=30)
+        self._end(grace=30 * TIME_SCALE)
 
     def _end(self, grace: float) -> None:
         deadline = time.monotonic() + grace

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import TORCHRUN, job_processes, kill_job, run_ranks, shm_segments
+from distributed import TIME_SCALE, TORCHRUN, job_processes, kill_job, run_ranks, shm_segments
 
 
 def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = None,
@@ -37,6 +37,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     """Waits for a launched job; returns (exit status, output, seconds). Kills its whole session
     on timeout; the caller's ``finally: reap(proc)`` kills it on any other failure."""
     start = time.monotonic()
+    timeout *= TIME_SCALE
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -69,8 +70,9 @@ def read_pids(directory) -> list[int]:
 
 
 def wait_for_pids(proc: subprocess.Popen, directory, nproc: int) -> list[int]:
-    """The pids of a launched job's ranks, once each has written its pid.N (within 60 s)."""
-    deadline = time.monotonic() + 60
+    """The pids of a launched job's ranks, once each has written its pid.N (within 60 s,
+    times TIME_SCALE)."""
+    deadline = time.monotonic() + 60 * TIME_SCALE
     while len(list(directory.glob("pid.*"))) < nproc:
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the ranks did not start"
@@ -138,7 +140,7 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_p
     finally:
         reap(proc)
     assert rc != 0, out
-    assert elapsed < 60, f"the job took {elapsed:.0f} s to fail"
+    assert elapsed < 60 * TIME_SCALE, f"the job took {elapsed:.0f} s to fail"
     assert "UNREACHABLE" not in out
     # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
     # bucket (directly, or as the message of the rank that aborted the all-reduce).
