@@ -320,7 +320,7 @@ class RankPool:
                 if exited:
                     break  # they exited without a word: reported by run
                 if time.monotonic() > deadline:
-                    return outcome, f"ranks {missing} did not finish in {timeout} s"
+                    return outcome, f"ranks {missing} did not finish in {timeout:g} s"
                 continue
             outcome[rank] = (status, value)
             if status == "error":

@@ -43,7 +43,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     except subprocess.TimeoutExpired:
         reap(proc)
         out, _ = proc.communicate()
-        raise AssertionError(f"the job did not finish in {timeout} s:\n{out}") from None
+        raise AssertionError(f"the job did not finish in {timeout:g} s:\n{out}") from None
     return proc.returncode, out, time.monotonic() - start
 
 
