@@ -1,7 +1,9 @@
 """The element kernels' torch-free test program, tests/kernels_check.cpp: built with this
 machine's g++ and run here (every implementation this CPU runs, AVX2 included), and built for
 aarch64 and run under qemu-aarch64 where Debian's cross compiler and qemu-user are installed.
-`bash tools/arm_check.sh` does both too, and compiles every source of ddpx._C for aarch64."""
+`bash tools/arm_check.sh` does both too, and compiles every source of ddpx._C for aarch64.
+With -m slow: `bash tools/arm_run.sh`, the whole extension built for aarch64 and tests of the
+suite run on it by an aarch64 Python under qemu."""
 
 import re
 import shutil
@@ -16,6 +18,8 @@ SOURCES = [str(ROOT / path) for path in
             "csrc/kernels/kernels_avx2.cpp")]
 FLAGS = ["-std=c++17", "-O2", "-Wall", f"-I{ROOT / 'csrc' / 'kernels'}"]
 CROSS_TOOLS = ("aarch64-linux-gnu-g++", "qemu-aarch64")
+# The README's line, run as written (tests/tooling/test_readme.py checks that it is here).
+ARM_RUN = "bash tools/arm_run.sh"
 
 
 def build_and_run(compiler: list[str], run: list[str], exe: Path) -> str:
@@ -49,3 +53,29 @@ def test_kernels_pass_on_aarch64_under_qemu(tmp_path):
                         tmp_path / "kernels_check_arm")
     assert "on aarch64: kernels() chooses portable" in out, out
     assert re.search(r"^portable reduce .* 0 failed$", out, re.M), out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    any(shutil.which(tool) is None for tool in (*CROSS_TOOLS, "apt-get", "dpkg-deb")),
+    reason="needs aarch64-linux-gnu-g++, qemu-aarch64 and apt-get: "
+           "apt-get install g++-aarch64-linux-gnu qemu-user")
+def test_the_extension_runs_on_aarch64_under_qemu():
+    """tools/arm_run.sh: ddpx._C built for aarch64 against torch's aarch64 wheel, imported by
+    Debian's arm64 Python under qemu-aarch64, and the hook, backend and dead-peer tests it
+    selects run there (about an hour on 2 cores; downloads 450 MB)."""
+    done = subprocess.run(ARM_RUN.split(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=3 * 3600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-20000:]
+    assert "arm_run: machine aarch64 python 3.11" in out, out[-20000:]
+    assert re.search(r"^arm_run: build_info .*'loaded': 'prebuilt'", out, re.M), out[-20000:]
+    assert "arm_run: backend: ddpx shared-memory engine, 2 local ranks" in out, out[-20000:]
+    summary = re.search(r"^=* ?(\d+) passed(.*) in [\d.]+s", out, re.M)
+    assert summary, out[-20000:]
+    # The hook, the 2-rank battery's 14 sections, the 2 dead-peer tests and the arena's
+    # unreachable peers (qemu's case), none failed or skipped (a skip would hide what did not
+    # run on Arm).
+    assert int(summary.group(1)) == 18 and "failed" not in summary.group(2) \
+        and "skipped" not in summary.group(2) and "error" not in summary.group(2), summary.group(0)
+    assert out.rstrip().endswith("arm_run: passed"), out[-2000:]

@@ -2,8 +2,8 @@
 torchrun (2 processes); its commands in a shell, from a folder that sees the repository's
 scripts/, the multi-node one on two network-namespace hosts at the README's own addresses; its
 API and trainer lines in jobs that hold them verbatim (here, and in tests/test_trainers.py);
-the install, test and results commands as .ci/run's own steps. A line added to the README fails
-the first test until this file says what runs it."""
+the install, test and results commands as .ci/run's own steps; the Arm run in a slow test. A
+line added to the README fails the first test until this file says what runs it."""
 
 import os
 import re
@@ -87,6 +87,8 @@ IN_CI = {
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
     "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --load 1 --bind core",
 }
+# Commands a slow test (`pytest -m slow`) runs as written, and its file in tests/.
+IN_SLOW_TESTS = {"bash tools/arm_run.sh": "test_arm.py"}
 # Lines no machine of this project's CI can run, and where they do run.
 ELSEWHERE = {
     "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install ninja":
@@ -147,10 +149,12 @@ def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
     assert README.count("```python\n") == len(RUNNABLE)
     lines = code_block_commands(README, "bash") + readme_inline_code()
-    known = [*RUN_HERE, MULTINODE, *IN_JOBS, *IN_CI, *ELSEWHERE]
+    known = [*RUN_HERE, MULTINODE, *IN_JOBS, *IN_CI, *IN_SLOW_TESTS, *ELSEWHERE]
     assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
     ci = (REPO / ".ci" / "run").read_text()
     assert [line for line in IN_CI if line not in ci] == []
+    assert [line for line, name in IN_SLOW_TESTS.items()
+            if f'"{line}"' not in (REPO / "tests" / name).read_text()] == []
     jobs = {name: (REPO / "tests" / name).read_text() for name in set(IN_JOBS.values()) if name}
     assert [code for code, where in IN_JOBS.items()
             if code not in (jobs[where] if where else API_JOB)] == []
