@@ -176,7 +176,7 @@ compile_arm() {
 }
 export -f compile_arm
 export work FLAGS="${flags[*]}"
-# Two at a time: the machine is shared (about 2 minutes for the 26 sources on 2 cores).
+# Two at a time: the machine is shared (2 to 7 minutes for the 26 sources on 2 cores, by load).
 # shellcheck disable=SC2016  # $1 is compile_arm's argument, expanded by the inner bash
 printf '%s\n' "${sources[@]}" | xargs -P 2 -I{} bash -c 'compile_arm "$1"' _ {} ||
   fail "a source of ddpx._C does not compile for aarch64 (above)"
@@ -229,8 +229,9 @@ rank = dist.get_rank()
 total = torch.full((1000,), float(rank + 1))
 dist.all_reduce(total)
 assert torch.equal(total, torch.full((1000,), 3.0)), total
-# A tensor in the arena (shared memory the engine owns, mapped by the peers through
-# pidfd_getfd): all-reduced in place where it lies, zero-copy.
+# A tensor in the arena (shared memory the engine owns, which peers that reach this rank's
+# memory map through pidfd_getfd): zero-copy where they do, the copy path where not (the
+# backend's describe() below says which).
 arena = extension().arena_empty(1 << 16, torch.float32).fill_(rank + 1)
 dist.all_reduce(arena)
 assert torch.equal(arena, torch.full_like(arena, 3.0)), arena
