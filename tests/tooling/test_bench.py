@@ -568,6 +568,26 @@ def test_collectives_on_a_shaped_link_run_on_the_engine_and_report_their_bound(t
                                             text=True).stdout.split() if ns.startswith("ddpx-")]
 
 
+def test_the_cores_check_plans_what_the_issue_asks_in_commands_the_tool_takes(monkeypatch):
+    """tools/cores_check.sh, the run for a machine of many cores: 2, 4 and 8 ranks with cores /
+    ranks threads each, every engine, then the DDP step; each command as the tool parses it."""
+    from ddpx_bench.cli import parse_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    plan = subprocess.run(["bash", str(ROOT / "tools" / "cores_check.sh")], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, CORES_CHECK_PLAN="1"),
+                          check=True).stdout.splitlines()
+    cores = len(os.sched_getaffinity(0))
+    parsed = [parse_args(shlex.split(line)[1:]) for line in plan]
+    assert [(a.mode, a.world_sizes, a.threads) for a in parsed] == [
+        ("allreduce", [2], max(1, cores // 2)), ("allreduce", [4], max(1, cores // 4)),
+        ("allreduce", [8], max(1, cores // 8)), ("train", [2], max(1, cores // 2))]
+    for args in parsed[:3]:
+        assert args.engines == ["gloo", "ddpx", "ddpx-arena", "mpi", "deepspeed", "copy"]
+        assert args.sizes[0] == 64 << 10 and args.sizes[-1] == 100 << 20
+    assert all(str(args.json).startswith("cores_out/") for args in parsed)
+
+
 @pytest.mark.parametrize("options, message", [
     ("--world_sizes 4 --nodes 3", "ddpx-bench: --nodes 3 does not divide world size 4 evenly"),
     ("--link 1gbit --load 1", "ddpx-bench: --load with --link"),
