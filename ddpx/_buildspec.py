@@ -1,5 +1,6 @@
 """What ddpx._C is built from and how (``plan``), shared by setup.py and the loader's build at
-first use.
+first use. ``python3 ddpx/_buildspec.py VERSION`` prints the C++ sources and their flags for that
+torch version, a line each: the Arm scripts build from them (tools/arm_check.sh, arm_run.sh).
 
 Kept free of imports from ddpx (and of torch) so that setup.py can read it before the package
 exists.
@@ -136,3 +137,10 @@ def static_libstdcxx(library: str) -> str | None:
             f"the C++ compiler ({compiler}) put a static libstdc++ into it, whose streams crash "
             "beside torch's. Rebuild with a compiler that links libstdc++.so.6, e.g. "
             "CXX=/usr/bin/g++ python setup.py build_ext --inplace")
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(" ".join(CPP_SOURCES))
+    print(" ".join(cxx_flags(sys.argv[1])))

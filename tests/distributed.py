@@ -79,16 +79,17 @@ def _next_task(tasks):
                 return None
 
 
-def train_small_ddp(rank: int, register=None) -> tuple[list, object]:
-    """Job scripts take this function's source: DDP of a small MLP from seed 0, 4 KB buckets,
-    5 SGD steps on data seeded by ``rank``. ``register(model)`` (a hook's registration) runs
-    before the first step; returns the final parameters, as lists, and what it returned."""
+def train_small_ddp(rank: int, register=None, group=None) -> tuple[list, object]:
+    """Job scripts take this function's source: DDP of a small MLP from seed 0 on ``group``
+    (default: the world), 4 KB buckets, 5 SGD steps on data seeded by ``rank``.
+    ``register(model)`` (a hook's registration) runs before the first step; returns the final
+    parameters, as lists, and what it returned."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    model = DDP(net, bucket_cap_mb=0.004)
+    model = DDP(net, process_group=group, bucket_cap_mb=0.004)
     registered = register(model) if register else None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(rank)

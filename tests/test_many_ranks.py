@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks, shm_segments
+from distributed import run_ranks, shm_segments, train_small_ddp
 
 R = dist.ReduceOp
 ENGINE_ROUTES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
@@ -100,31 +100,6 @@ def _collectives(rank: int, world: int) -> None:
         _expect(t, rank_input(peer, n, torch.float32, salt=100 + rank), f"recv from {peer}")
 
 
-def _train(rank: int, group, hook: bool) -> list[torch.Tensor]:
-    """DDP of a small MLP from seed 0 on ``group``, small buckets, 3 SGD steps on data seeded by
-    rank: with ddpx's fused hook, or DDP's own all-reduce. The final parameters."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import ddpx
-
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    model = DDP(net, process_group=group, bucket_cap_mb=0.004)
-    if hook:
-        ddpx.register_fused_hook(model, process_group=group)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(rank)
-    for _ in range(3):
-        x, y = torch.randn(16, 32, generator=data), torch.randn(16, 8, generator=data)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    params = [p.detach().clone() for p in net.parameters()]
-    del model, optimizer
-    gc.collect()
-    return params
-
-
 def every_collective(rank: int, world: int) -> dict:
     """The body every rank runs: the collectives, the hook against DDP's default, and what the
     backend served by which path; returns this rank's peak RSS and its PSS after each part (MiB)
@@ -139,10 +114,12 @@ def every_collective(rank: int, world: int) -> dict:
     pss["collectives"] = _pss_mb()
     gloo = dist.new_group(backend="gloo")
     pss["gloo group"] = _pss_mb()
-    with_hook = _train(rank, None, hook=True)
-    default = _train(rank, gloo, hook=False)
+    # The hook on the ddpx world against DDP's own all-reduce on a gloo group.
+    with_hook, _ = train_small_ddp(rank, ddpx.register_fused_hook)
+    default, _ = train_small_ddp(rank, group=gloo)
+    gc.collect()  # the DDP models (reference cycles) before the next part's PSS
     for mine, theirs in zip(with_hook, default, strict=True):
-        torch.testing.assert_close(mine, theirs)
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(theirs))
     pss["DDP"] = _pss_mb()
     routes = {name: dict(counts) for name, counts in backend.routes().items()}
     return {"routes": routes, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -32,10 +32,7 @@ seconds() { echo $((SECONDS - $1)) s; }
 
 # The sources and flags of the real build (ddpx/_buildspec.py), with the standard and defines
 # torch 2.11's cpp_extension adds.
-spec=$(python3 -c 'import runpy, sys
-spec = runpy.run_path("ddpx/_buildspec.py")
-print(" ".join(spec["CPP_SOURCES"]))
-print(" ".join(spec["cxx_flags"](sys.argv[1])))' "$ARM_TORCH")
+spec=$(python3 ddpx/_buildspec.py "$ARM_TORCH")
 read -r -a sources <<<"$(sed -n 1p <<<"$spec")"
 read -r -a flags <<<"$(sed -n 2p <<<"$spec")"
 flags+=(-std=c++17 -fPIC -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C)

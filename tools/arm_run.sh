@@ -149,10 +149,7 @@ echo "arm_run: $(find "$standins" -maxdepth 1 -name 'lib*' | wc -l) CUDA stand-i
 # 3. ddpx._C for aarch64, as torch.utils.cpp_extension would build it for this torch.
 start=$SECONDS
 version=$(sed -n "s/^__version__ = '\(.*\)'$/\1/p" "$torch_dir/version.py")  # 2.13.0+cu130
-spec=$(python3 -c 'import runpy, sys
-spec = runpy.run_path("ddpx/_buildspec.py")
-print(" ".join(spec["CPP_SOURCES"]))
-print(" ".join(spec["cxx_flags"](sys.argv[1])))' "$version")
+spec=$(python3 ddpx/_buildspec.py "$version")
 read -r -a sources <<<"$(sed -n 1p <<<"$spec")"
 read -r -a flags <<<"$(sed -n 2p <<<"$spec")"
 py_inc=$sysroot/usr/include/python3.11
