@@ -39,11 +39,11 @@ import torch
 import torch.distributed as dist
 from test_faults import (
     assert_no_job_left,
-    finish,
     kill_every_rank,
     launch,
     read_pids,
     reap,
+    run_job,
     wait_for_pids,
 )
 from test_hook import SUM_ORDER_TOLERANCE
@@ -853,11 +853,8 @@ def job_shm(before: set[str]) -> set[str]:
 @pytest.mark.parametrize("how, threads", [("exit", 1), ("sigkill", 1), ("sigkill", 3)])
 def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, threads, tmp_path):
     before = set(os.listdir("/dev/shm"))
-    proc = launch(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)})
-    try:
-        rc, out, _ = finish(proc, timeout=120)
-    finally:
-        reap(proc)
+    rc, out, _ = run_job(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)},
+                         timeout=120)
     assert rc != 0 and "UNREACHABLE" not in out, out
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == ["error.0", "error.2"], out

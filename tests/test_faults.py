@@ -47,6 +47,17 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
     return proc.returncode, out, time.monotonic() - start
 
 
+def run_job(script: str, nproc: int, directory, *extra: str, timeout: float,
+            env: dict | None = None, prefix: tuple[str, ...] = ()) -> tuple[int, str, float]:
+    """launch, then finish: the job's (exit status, output, seconds); nothing of it outlives
+    this, however it ends."""
+    proc = launch(script, nproc, directory, *extra, env=env, prefix=prefix)
+    try:
+        return finish(proc, timeout)
+    finally:
+        reap(proc)
+
+
 def reap(proc: subprocess.Popen) -> None:
     kill_job(proc, proc.marker)
 
@@ -134,11 +145,8 @@ TRAIN_AND_DIE = """
                          [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow), (4, 2)])
 def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_path):
     before = shm_segments()
-    proc = launch(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)})
-    try:
-        rc, out, elapsed = finish(proc, timeout=90)
-    finally:
-        reap(proc)
+    rc, out, elapsed = run_job(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)},
+                               timeout=90)
     assert rc != 0, out
     assert elapsed < 60 * TIME_SCALE, f"the job took {elapsed:.0f} s to fail"
     assert "UNREACHABLE" not in out
@@ -191,11 +199,7 @@ def test_a_rank_killed_while_its_peer_waits_in_recv_fails_the_recv(tmp_path):
     """The ddpx backend's point-to-point: a receive from a rank that dies raises well within
     the group's timeout (300 s), naming the dead rank."""
     before = shm_segments()
-    proc = launch(RECEIVE_FROM_THE_DEAD, 2, tmp_path)
-    try:
-        rc, out, _ = finish(proc, timeout=90)
-    finally:
-        reap(proc)
+    rc, out, _ = run_job(RECEIVE_FROM_THE_DEAD, 2, tmp_path, timeout=90)
     assert rc != 0 and "UNREACHABLE" not in out, out
     took, error = (tmp_path / "error.1").read_text().split(" s: ", 1)
     assert "ddpx: rank 0 exited while rank 1 waited to receive 4000 bytes (tag 0) from it" \
@@ -396,11 +400,8 @@ def test_a_dev_shm_too_small_falls_back_or_fails_strictly(small, strict, tmp_pat
             pytest.skip(f"cannot mount a private 1 MiB /dev/shm here: {why}")
     else:
         env["DDPX_SHM_MB"] = "1"
-    proc = launch(SMALL_SHM, 2, tmp_path, env=env, prefix=UNSHARE if small == "mount" else ())
-    try:
-        rc, out, _ = finish(proc, timeout=90)
-    finally:
-        reap(proc)
+    rc, out, _ = run_job(SMALL_SHM, 2, tmp_path, env=env,
+                         prefix=UNSHARE if small == "mount" else (), timeout=90)
     said, fixes = SMALL[small]
     messages = {said.format(mib) for mib in (0, 1)}
     if small == "mount":  # the job really saw the 1 MiB /dev/shm

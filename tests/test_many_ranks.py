@@ -190,16 +190,13 @@ DIE_MID_ALL_REDUCE = """
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_all_reduce_at_16_ranks_fails_every_survivor(tmp_path):
-    from test_faults import assert_no_job_left, finish, launch, read_pids, reap
+    from test_faults import assert_no_job_left, read_pids, run_job
 
     world, victim = 16, 5
     before = shm_segments()
-    proc = launch(DIE_MID_ALL_REDUCE, world, tmp_path, env={"VICTIM": str(victim)})
-    try:
-        # Well within the group's 600 s: a survivor that waited out its timeout fails this.
-        rc, out, _ = finish(proc, timeout=300)
-    finally:
-        reap(proc)
+    # Well within the group's 600 s: a survivor that waited out its timeout fails this.
+    rc, out, _ = run_job(DIE_MID_ALL_REDUCE, world, tmp_path, env={"VICTIM": str(victim)},
+                         timeout=300)
     assert rc != 0, out
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     print("\n".join(f"{name}: {text}" for name, text in sorted(raised.items())))
