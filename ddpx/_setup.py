@@ -70,7 +70,13 @@ def cross_chunk_bytes() -> int:
     return _CROSS_CHUNK_KB * 1024
 
 
-def resolve_group(group):
+def resolve_group(group, name: str = "group"):
+    """``group`` (default: the world), checked: a process group this rank belongs to, of an
+    initialized torch.distributed; ``name`` is the argument errors name."""
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"ddpx: {name}={group!r} is not a torch.distributed process group: pass "
+                        f"one that init_process_group or new_group made, or None for the world")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "ddpx: torch.distributed is not initialized: call "
@@ -174,6 +180,24 @@ class Meeting:
             ) from None
 
 
+class SharedMemoryUnavailable(Exception):
+    """Why shared memory cannot serve a group, the same on every rank of it: the caller falls
+    back to the process group's collectives. Only the conditions docs/design.md lists as
+    fallbacks raise it (/dev/shm too small or refused, too many ranks on a node); any other
+    failure of the set-up is an error on every rank of the group (``_failed``)."""
+
+
+def _failed(error: BaseException) -> dict:
+    """What a rank whose set-up failed other than by a fallback tells its peers."""
+    return {"fatal": f"{type(error).__name__}: {error}"}
+
+
+def _raise_if_failed(report, rank: int) -> None:
+    if isinstance(report, dict) and "fatal" in report:
+        raise RuntimeError(f"ddpx: rank {rank} failed to set up the group's shared-memory engine: "
+                           f"{report['fatal']}")
+
+
 def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int,
                     rank_nodes: list[int] | None = None):
     """The segment and its wide block: the one asked for, halved while it would take more than
@@ -191,21 +215,20 @@ def _create_segment(name: str, size: int, block_bytes: int, wide_bytes: int,
     nbytes = C.shm_segment_bytes(size, block_bytes, wide_bytes)
     needs = f"the shared-memory engine needs {(nbytes >> 20) + 1} MiB for {size} ranks"
     if _SHM_MB is not None and nbytes > _SHM_MB << 20:
-        raise RuntimeError(f"DDPX_SHM_MB={_SHM_MB} lets a segment take {_SHM_MB} MiB of /dev/shm "
-                           f"and {needs}: unset DDPX_SHM_MB, or raise it")
+        raise SharedMemoryUnavailable(
+            f"DDPX_SHM_MB={_SHM_MB} lets a segment take {_SHM_MB} MiB of /dev/shm and {needs}: "
+            "unset DDPX_SHM_MB, or raise it")
     if free < nbytes + (1 << 20):
-        raise RuntimeError(
+        raise SharedMemoryUnavailable(
             f"/dev/shm has {free >> 20} MiB free and {needs}: start the container with a larger "
             "/dev/shm (docker run --shm-size=1g) or set a smaller DDPX_BLOCK_KB"
         )
     placement = ([] if rank_nodes is None
                  else C.shm_numa_ranges(size, block_bytes, wide_bytes, rank_nodes))
-    return C.ShmSegment.create(name, nbytes, placement), wide_bytes
-
-
-class SharedMemoryUnavailable(Exception):
-    """Why shared memory cannot serve a group, the same on every rank of it: the caller falls
-    back to the process group's collectives."""
+    try:
+        return C.ShmSegment.create(name, nbytes, placement), wide_bytes
+    except RuntimeError as refused:  # shm_open, fallocate or mmap said no: the system's limits
+        raise SharedMemoryUnavailable(str(refused)) from None
 
 
 @dataclass(frozen=True)
@@ -273,32 +296,40 @@ def _create_shm_engine(meeting: Meeting, me: int, local: list[int], node: int, r
                                                   rank_nodes if placed else None)
             numa = _numa.layout_text(topology, rank_nodes, segment.not_placed)
             engine = engine_on(segment, wide_bytes, numa)
-        except Exception as error:  # noqa: BLE001 - every failure here means: use the fallback
-            meeting.put(f"segment/{node}", {"error": str(error)})
+        except BaseException as error:
+            fallback = isinstance(error, SharedMemoryUnavailable)
+            meeting.put(f"segment/{node}", {"error": str(error)} if fallback else _failed(error))
             C.ShmSegment.unlink(name)
-            raise SharedMemoryUnavailable(str(error)) from None
+            raise
         meeting.put(f"segment/{node}", {"name": name, "wide_bytes": wide_bytes, "numa": numa})
         try:
-            failures = [meeting.get(f"attached/{node}/{i}", names[i])
-                        for i in range(1, size)]
+            reports = [meeting.get(f"attached/{node}/{i}", names[i]) for i in range(1, size)]
         finally:
             C.ShmSegment.unlink(name)
     else:
         segment_of_node = meeting.get(f"segment/{node}", names[0])
+        _raise_if_failed(segment_of_node, names[0])
         if "error" in segment_of_node:
             raise SharedMemoryUnavailable(segment_of_node["error"])
         wide_bytes = segment_of_node["wide_bytes"]
-        engine, failure = None, None
+        engine, report = None, None
         try:
             segment = C.ShmSegment.attach(segment_of_node["name"],
                                           C.shm_segment_bytes(size, block_bytes, wide_bytes))
-            engine = engine_on(segment, wide_bytes, segment_of_node["numa"])
-        except Exception as error:  # noqa: BLE001
-            failure = f"rank {ranks[me]} could not map the segment: {error}"
-        meeting.put(f"attached/{node}/{index}", failure)
-        failures = [failure if i == index else meeting.get(f"attached/{node}/{i}", names[i])
-                    for i in range(1, size)]
-    failures = [f for f in failures if f is not None]
+        except RuntimeError as error:  # the kernel would not map it here: a fallback
+            report = f"rank {ranks[me]} could not map the segment: {error}"
+        else:
+            try:
+                engine = engine_on(segment, wide_bytes, segment_of_node["numa"])
+            except BaseException as error:
+                meeting.put(f"attached/{node}/{index}", _failed(error))
+                raise
+        meeting.put(f"attached/{node}/{index}", report)
+        reports = [report if i == index else meeting.get(f"attached/{node}/{i}", names[i])
+                   for i in range(1, size)]
+    for i, report in enumerate(reports, start=1):
+        _raise_if_failed(report, names[i])
+    failures = [f for f in reports if f is not None]
     if failures:
         raise SharedMemoryUnavailable(failures[0])
     _use_cpu_share(engine, index, rank_cpus)
@@ -395,10 +426,15 @@ def create_node_engine(meeting: Meeting, me: int, ranks: list[int], timeout: tim
                                     [r for m in members for r in m] if cross_node else [])
     except SharedMemoryUnavailable as why:
         failure = str(why)
+    except BaseException as error:  # the other nodes must not wait for this rank in vain
+        meeting.put(f"usable/{me}", _failed(error))
+        raise
     # One node without shared memory makes every node fall back: the paths must match.
     meeting.put(f"usable/{me}", failure)
-    failures = [f for f in (meeting.get(f"usable/{r}", ranks[r]) for r in range(size))
-                if f is not None]
+    reports = [meeting.get(f"usable/{r}", ranks[r]) for r in range(size)]
+    for r, report in enumerate(reports):
+        _raise_if_failed(report, ranks[r])
+    failures = [f for f in reports if f is not None]
     if failures:
         reason = f"shared memory is unavailable: {failures[0]}"
         if settings.flag("DDPX_STRICT"):

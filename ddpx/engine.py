@@ -10,6 +10,8 @@ tensor is summed by the process group.
 from __future__ import annotations
 
 import atexit
+import math
+import numbers
 import weakref
 from datetime import timedelta
 
@@ -19,7 +21,8 @@ from torch.distributed.distributed_c10d import _world
 from ddpx._ext import extension
 from ddpx._setup import create_cpu_engine, group_with_timeout, resolve_group
 
-__all__ = ["all_reduce", "engine_for", "sparse_engine", "wire_dtype"]
+__all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "sparse_engine",
+           "wire_dtype"]
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -40,9 +43,38 @@ def wire_dtype(compression: str | torch.dtype | None) -> torch.dtype | None:
     return _COMPRESSION[compression]
 
 
+def checked_timeout(timeout, name: str = "timeout") -> timedelta | None:
+    """``timeout`` as a timedelta: users pass seconds as a number or a timedelta; None (the
+    group's own) stays None. Anything else, and a timeout of zero or less, is refused."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"ddpx: {name}={timeout!r} is neither a number of seconds nor a "
+                        f"datetime.timedelta: pass {name}=60 or {name}=timedelta(minutes=1), or "
+                        f"leave it out for the process group's own")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"ddpx: {name}={timeout!r} is not a positive time: every wait for a peer "
+                         f"needs a bound above zero; leave it out for the process group's own")
+    return timedelta(seconds=seconds)
+
+
+def checked_device(device) -> str:
+    """The device type a ``device`` argument names: "cpu" or "cuda" (a torch.device too)."""
+    kind = device.type if isinstance(device, torch.device) else device
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"ddpx: device={device!r} is not 'cpu' or 'cuda': ddpx reduces the "
+                         "buckets of CPU and CUDA models")
+    return kind
+
+
 def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):
     """The engine that reduces ``device`` tensors over ``group`` (default: the world), made
     collectively by every rank of the group on first use."""
+    timeout = checked_timeout(timeout)
     group = resolve_group(group)
     by_device = _engines.setdefault(group, {})
     if device not in by_device:
@@ -86,6 +118,8 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"ddpx.all_reduce takes a torch.Tensor, got {type(tensor).__name__}")
+    if average is not True and average is not False:
+        raise TypeError(f"ddpx.all_reduce: average={average!r} is not True or False")
     if torch.compiler.is_compiling():
         name, scale = _operator_group(group, tensor.device.type, average)
         torch.ops.ddpx.all_reduce_(tensor, name, scale, wire_dtype(compression))

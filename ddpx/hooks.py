@@ -1,6 +1,7 @@
 """ddpx's DDP communication hook, in C++ (``register_fused_hook``) and as a Python hook with
 PyTorch's signature (``fused_allreduce_hook``). Both hand the bucket to the same engine."""
 
+import os
 from datetime import timedelta
 
 import torch
@@ -9,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import settings
 from ddpx._ext import extension
-from ddpx.engine import engine_for, sparse_engine, wire_dtype
+from ddpx._setup import ddpx_backend, resolve_group
+from ddpx.engine import checked_device, checked_timeout, engine_for, sparse_engine, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -22,16 +24,18 @@ class FusedHookState:
     ``DDPStrategy(ddp_comm_state=...)`` does), it binds at the first bucket, which every rank
     reduces in the same order."""
 
-    __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine")
+    __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine", "_moves_buckets")
 
     def __init__(self, process_group=None, compression: str | torch.dtype | None = None, *,
                  device: str = "cpu", timeout: timedelta | None = None):
         self.wire = wire_dtype(compression)
         self.compression = compression
-        self._group, self.device, self.timeout = process_group, device, timeout
-        self._engine = None
-        if dist.is_available() and dist.is_initialized():
-            self._engine = engine_for(process_group, device, timeout)
+        self.device, self.timeout = checked_device(device), checked_timeout(timeout)
+        self._group, self._engine = process_group, None
+        self._moves_buckets = False  # register_fused_hook's hook moves buckets into the arena
+        if process_group is not None or (dist.is_available() and dist.is_initialized()):
+            resolve_group(process_group, "process_group")
+            self._engine = engine_for(process_group, self.device, self.timeout)
 
     @property
     def engine(self):
@@ -47,10 +51,41 @@ class FusedHookState:
     def scale(self) -> float:
         return 1.0 / self.process_group.size()
 
-    def describe(self) -> str:
-        """One line naming the communication path in use."""
+    def describe(self, details: bool = False) -> str:
+        """One line: which path reduces the buckets, their wire dtype, and whether they are
+        zero-copy (and if not, why); ``details=True`` adds the engine's settings."""
+        engine = self.engine
         wire = str(self.wire).removeprefix("torch.") if self.wire is not None else "no compression"
-        return f"{self.engine.describe()}; {wire}"
+        if isinstance(engine, extension().ShmEngine):
+            nodes = f" and {engine.nodes} nodes" if engine.nodes > 1 else ""
+            path = f"ddpx shared memory, {engine.local_ranks} ranks a node{nodes}"
+        else:
+            path = engine.describe()
+        why_not = self._why_not_zero_copy()
+        zero_copy = (f"zero-copy: no ({why_not})" if why_not else
+                     f"zero-copy: yes ({engine.zero_copy_calls} calls so far)")
+        line = f"{path}; {wire}; {zero_copy}"
+        return f"{line}\n{engine.describe()}" if details else line
+
+    def _why_not_zero_copy(self) -> str:
+        """Why DDP's buckets are not reduced in place in ddpx's arena, or "" where they are."""
+        engine = self.engine
+        if not isinstance(engine, extension().ShmEngine):
+            return "the buckets go through the process group"
+        if engine.nodes > 1:
+            return "the group spans nodes, whose buckets cross through the process group"
+        arena = extension().arena_usage()
+        if not arena["usable"]:
+            return arena["why_not"]
+        if not settings.flag("DDPX_COMM_MEMORY"):
+            return "DDPX_COMM_MEMORY=0"
+        if self._moves_buckets:
+            return ""
+        if (ddpx_backend(self.process_group) is not None
+                and os.environ.get("DDP_DISABLE_COMM_MEM") == "0"):
+            return ""  # DDP allocates its buckets through the ddpx backend, in the arena
+        return ("this Python hook reduces the buckets where DDP keeps them: "
+                "ddpx.register_fused_hook moves them into the arena")
 
 
 def fused_allreduce_hook(
@@ -94,13 +129,14 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
             f"ddpx.register_fused_hook takes a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; wrap it first (accelerator.prepare does)"
         )
-    group = process_group if process_group is not None else ddp_model.process_group
+    wire, timeout = wire_dtype(compression), checked_timeout(timeout)
+    group = resolve_group(process_group if process_group is not None else ddp_model.process_group,
+                          "process_group")
     devices = {p.device.type for p in ddp_model.parameters() if p.requires_grad}
     if len(devices) != 1:
         raise ValueError(f"ddpx: the model's trainable parameters are on {sorted(devices)}; "
                          "DDP buckets must all be on one device type")
     device = devices.pop()
-    wire = wire_dtype(compression)
     for name, parameter in _dense_gradients(ddp_model).items():  # a bucket has their dtype
         why = extension().invalid_input(torch.empty(0, dtype=parameter.dtype, device=device),
                                         wire, f"parameter {name}", device)
@@ -110,6 +146,7 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.process_group,
                                     state.scale, state.wire,
                                     into_arena=settings.flag("DDPX_COMM_MEMORY"))
+    state._moves_buckets = settings.flag("DDPX_COMM_MEMORY")
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
     return state
 

@@ -20,6 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import _needs
+from ddpx.engine import wire_dtype
 from ddpx.hooks import register_fused_hook
 
 with _needs("lightning"):
@@ -34,6 +35,7 @@ class FusedHook(Callback):
     (no DDP wrapper) there is nothing to register."""
 
     def __init__(self, compression: str | torch.dtype | None = None):
+        wire_dtype(compression)  # a bad value raises here, not at fit()
         self.compression = compression
         self.state = None
 

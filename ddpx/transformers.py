@@ -20,10 +20,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import _needs
+from ddpx.engine import wire_dtype
 from ddpx.hooks import register_fused_hook
 
 with _needs("transformers"):
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 
 __all__ = ["FusedHook"]
 
@@ -34,6 +35,10 @@ class FusedHook(TrainerCallback):
     wrapper) there is nothing to register; a second train() keeps the first registration."""
 
     def __init__(self, trainer, compression: str | torch.dtype | None = None):
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"ddpx.transformers.FusedHook: trainer={type(trainer).__name__} is "
+                            "not a transformers.Trainer: pass the Trainer whose model it hooks")
+        wire_dtype(compression)  # a bad value raises here, not at train()
         self.trainer = trainer
         self.compression = compression
         self.state = None
