@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <sstream>
 #include <utility>
 
 #include "arena.h"
@@ -13,6 +14,64 @@
 #include "caller_profiler.h"
 
 namespace ddpx {
+namespace {
+
+// gloo's checks of a root (TORCH_CHECKs there: RuntimeError here too), or "".
+std::string root_error(const char* name, int64_t root, int64_t root_tensor, int size) {
+  std::ostringstream why;
+  if (root < 0 || root >= size) {
+    why << "ddpx: " << name << ": invalid root rank " << root << ": the group's ranks are 0 to "
+        << size - 1;
+  } else if (root_tensor != 0) {
+    why << "ddpx: " << name << ": invalid root tensor " << root_tensor
+        << ": with one tensor a rank, rootTensor is 0";
+  }
+  return why.str();
+}
+
+// Why two of a list's parts, each of which the call writes, cannot both be written, or "".
+std::string overlapping_parts(const std::vector<at::Tensor>& parts, const char* name,
+                              const char* role) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (size_t j = i + 1; j < parts.size(); ++j) {
+      if (overlaps(parts[i], parts[j])) {
+        std::ostringstream why;
+        why << "ddpx: " << name << "'s " << role << " " << i << " and " << j
+            << " share memory: give each part a tensor of its own";
+        return why.str();
+      }
+    }
+  }
+  return {};
+}
+
+// Why the coalesced lists cannot pair one output with one input, or write every output, or "".
+std::string coalesced_error(const std::vector<at::Tensor>& outputs,
+                            const std::vector<at::Tensor>& inputs, const char* name) {
+  if (outputs.size() != inputs.size()) {
+    return std::string("ddpx: ") + name + " takes as many outputs as inputs, got " +
+           std::to_string(outputs.size()) + " and " + std::to_string(inputs.size());
+  }
+  return overlapping_parts(outputs, name, "outputs");
+}
+
+// The inputs, those that share memory with another entry's output copied first: the entries run
+// one after another, and an input must still hold its value at the call when its turn comes.
+std::vector<at::Tensor> apart_from_outputs(const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> out = inputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    for (size_t j = 0; j < outputs.size(); ++j) {
+      if (i != j && overlaps(inputs[i], outputs[j])) {
+        out[i] = inputs[i].clone();
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
                  c10::intrusive_ptr<c10d::Backend> gloo, std::shared_ptr<ShmEngine> engine,
@@ -109,6 +168,16 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
   return work;
 }
 
+void Backend::refuse(const char* name, const std::string& why) {
+  count(name, Route::kEngine);
+  // The peers' calls of this collective wait on the engine: the rejection ends them too, naming
+  // this rank and why.
+  engine_->submit([why, what = std::string("torch.distributed.") +
+                               name](NodeComm& comm) -> c10::IValue { comm.reject(why, what); },
+                  c10::NoneType::get());
+  TORCH_CHECK(false, why);
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::on_gloo(const char* name,
                                                 c10::intrusive_ptr<c10d::Work> work) {
   count(name, Route::kGloo);
@@ -131,8 +200,8 @@ c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) {
   RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
-  TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: all_reduce takes one CPU tensor");
-  if (!engine_ || tensors[0].layout() != at::kStrided) {
+  // Several tensors a rank (reduced together, as gloo does) and sparse ones: gloo's own.
+  if (!engine_ || tensors.size() != 1 || tensors[0].layout() != at::kStrided) {
     return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
   }
   return on_engine("all_reduce", opts, tensors,
@@ -148,21 +217,48 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   RECORD_FUNCTION("ddpx::all_reduce_coalesced", std::vector<c10::IValue>());
-  const bool strided = std::all_of(tensors.begin(), tensors.end(),
-                                   [](const auto& t) { return t.layout() == at::kStrided; });
-  if (!engine_ || !strided) {
+  const auto strided_like_first = [&](const at::Tensor& t) {
+    return t.layout() == at::kStrided && t.scalar_type() == tensors[0].scalar_type();
+  };
+  // An empty list, mixed dtypes or layouts, sparse tensors: gloo raises at the call, or sums.
+  if (!engine_ || tensors.empty() ||
+      !std::all_of(tensors.begin(), tensors.end(), strided_like_first)) {
     return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   }
+  bool aliased = false;
+  for (size_t i = 0; i < tensors.size() && !aliased; ++i) {
+    for (size_t j = i + 1; j < tensors.size() && !aliased; ++j) {
+      aliased = overlaps(tensors[i], tensors[j]);
+    }
+  }
   std::vector<Task> tasks;
-  for (const auto& t : tensors) tasks.push_back(all_reduce_task(t, opts.reduceOp, getSize()));
+  if (aliased) {
+    // Reduced one after another in place, a tensor listed twice would be summed twice: as gloo
+    // does, every entry is reduced from its value at the call, and written back in list order.
+    std::vector<at::Tensor> flat;
+    for (const auto& t : tensors) flat.push_back(t.reshape(-1));
+    const at::Tensor values = at::cat(flat);
+    tasks.push_back(all_reduce_task(values, opts.reduceOp, getSize()));
+    tasks.push_back([tensors, values](NodeComm&) {
+      int64_t at = 0;
+      for (const auto& t : tensors) {
+        t.copy_(values.narrow(0, at, t.numel()).view(t.sizes()));
+        at += t.numel();
+      }
+    });
+  } else {
+    for (const auto& t : tensors) tasks.push_back(all_reduce_task(t, opts.reduceOp, getSize()));
+  }
   return on_engine("all_reduce_coalesced", opts, tensors, std::move(tasks));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
                                                   const c10d::BroadcastOptions& opts) {
   RECORD_FUNCTION("ddpx::broadcast", std::vector<c10::IValue>());
-  TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: broadcast takes one CPU tensor");
-  if (!engine_) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
+  // Several tensors a rank (the root's tensor opts.rootTensor to all of them): gloo's.
+  if (!engine_ || tensors.size() != 1) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
+  const std::string why = root_error("broadcast", opts.rootRank, opts.rootTensor, getSize());
+  if (!why.empty()) refuse("broadcast", why);
   return on_engine("broadcast", opts, tensors, {broadcast_task(tensors[0], int(opts.rootRank))});
 }
 
@@ -170,9 +266,15 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
                                                   std::vector<at::Tensor>& inputs,
                                                   const c10d::AllgatherOptions& opts) {
   RECORD_FUNCTION("ddpx::all_gather", std::vector<c10::IValue>());
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
-                    "ddpx: all_gather takes one CPU tensor");
-  if (!engine_) return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
+  // Several tensors a rank, or a list that does not hold a part per rank: gloo serves the one,
+  // and raises at the call for the other.
+  if (!engine_ || inputs.size() != 1 || outputs.size() != 1 ||
+      int(outputs[0].size()) != getSize()) {
+    return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
+  }
+  std::string why = list_error(outputs[0], inputs[0], getSize(), "all_gather", "outputs");
+  if (why.empty()) why = overlapping_parts(outputs[0], "all_gather", "outputs");
+  if (!why.empty()) refuse("all_gather", why);
   return on_engine("all_gather", opts, outputs[0],
                    {all_gather_task(outputs[0], inputs[0], getSize())});
 }
@@ -183,6 +285,9 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
   if (!engine_) {
     return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
   }
+  const std::string why =
+      whole_error(output, input, getSize(), "all_gather_into_tensor", "output", "input");
+  if (!why.empty()) refuse("all_gather_into_tensor", why);
   return on_engine("all_gather_into_tensor", opts, {output},
                    {all_gather_into_tensor_task(output, input, getSize())});
 }
@@ -195,10 +300,16 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
     return on_gloo("all_gather_into_tensor_coalesced",
                    gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
+  const char* name = "all_gather_into_tensor_coalesced";
+  std::string why = coalesced_error(outputs, inputs, name);
+  for (size_t i = 0; i < inputs.size() && why.empty(); ++i) {
+    why = whole_error(outputs[i], inputs[i], getSize(), name, "output", "input");
+  }
+  if (!why.empty()) refuse(name, why);
+  const std::vector<at::Tensor> ins = apart_from_outputs(inputs, outputs);
   std::vector<Task> tasks;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    tasks.push_back(all_gather_into_tensor_task(outputs[i], inputs[i], getSize()));
+    tasks.push_back(all_gather_into_tensor_task(outputs[i], ins[i], getSize()));
   }
   return on_engine("all_gather_into_tensor_coalesced", opts, outputs, std::move(tasks));
 }
@@ -214,9 +325,15 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
   RECORD_FUNCTION("ddpx::reduce_scatter", std::vector<c10::IValue>());
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1,
-                    "ddpx: reduce_scatter takes one CPU tensor");
-  if (!engine_) return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
+  const auto uneven = [&](const at::Tensor& part) { return part.numel() != outputs[0].numel(); };
+  // Several tensors a rank, a list without a part per rank, and parts of other sizes than the
+  // output (each rank's part its own size): gloo computes them, or raises at the call.
+  if (!engine_ || inputs.size() != 1 || outputs.size() != 1 || int(inputs[0].size()) != getSize() ||
+      std::any_of(inputs[0].begin(), inputs[0].end(), uneven)) {
+    return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
+  }
+  const std::string why = list_error(inputs[0], outputs[0], getSize(), "reduce_scatter", "inputs");
+  if (!why.empty()) refuse("reduce_scatter", why);
   return on_engine("reduce_scatter", opts, outputs,
                    {reduce_scatter_task(outputs[0], inputs[0], opts.reduceOp, getSize())});
 }
@@ -227,6 +344,9 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
   if (!engine_) {
     return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
   }
+  const std::string why =
+      whole_error(input, output, getSize(), "reduce_scatter_tensor", "input", "output");
+  if (!why.empty()) refuse("reduce_scatter_tensor", why);
   return on_engine("reduce_scatter_tensor", opts, {output},
                    {reduce_scatter_tensor_task(output, input, opts.reduceOp, getSize())});
 }
@@ -239,10 +359,16 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
     return on_gloo("reduce_scatter_tensor_coalesced",
                    gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "ddpx: as many outputs as inputs, please");
+  const char* name = "reduce_scatter_tensor_coalesced";
+  std::string why = coalesced_error(outputs, inputs, name);
+  for (size_t i = 0; i < inputs.size() && why.empty(); ++i) {
+    why = whole_error(inputs[i], outputs[i], getSize(), name, "input", "output");
+  }
+  if (!why.empty()) refuse(name, why);
+  const std::vector<at::Tensor> ins = apart_from_outputs(inputs, outputs);
   std::vector<Task> tasks;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    tasks.push_back(reduce_scatter_tensor_task(outputs[i], inputs[i], opts.reduceOp, getSize()));
+    tasks.push_back(reduce_scatter_tensor_task(outputs[i], ins[i], opts.reduceOp, getSize()));
   }
   return on_engine("reduce_scatter_tensor_coalesced", opts, outputs, std::move(tasks));
 }
@@ -256,12 +382,14 @@ c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
                                                const c10d::ReduceOptions& opts) {
   RECORD_FUNCTION("ddpx::reduce", std::vector<c10::IValue>());
-  TORCH_CHECK_VALUE(tensors.size() == 1, "ddpx: reduce takes one CPU tensor");
-  const at::Tensor& t = tensors[0];
-  const int root = int(opts.rootRank);
-  if (!engine_ || t.layout() != at::kStrided || root < 0 || root >= getSize()) {
+  // gloo raises at the call for a list of other than one tensor, and reduces sparse ones.
+  if (!engine_ || tensors.size() != 1 || tensors[0].layout() != at::kStrided) {
     return on_gloo("reduce", gloo_->reduce(tensors, opts));
   }
+  const at::Tensor& t = tensors[0];
+  const int root = int(opts.rootRank);
+  const std::string why = root_error("reduce", opts.rootRank, opts.rootTensor, getSize());
+  if (!why.empty()) refuse("reduce", why);
   // The all-reduce, whose result the other ranks drop: their tensors keep their values.
   const at::Tensor data = getRank() == root ? t : t.clone();
   return on_engine("reduce", opts, tensors, {all_reduce_task(data, opts.reduceOp, getSize())});
@@ -276,6 +404,10 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
     return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> list = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
+  std::string why = getRank() == root ? list_error(list, inputs[0], getSize(), "gather", "outputs")
+                                      : std::string();
+  if (why.empty()) why = overlapping_parts(list, "gather", "outputs");
+  if (!why.empty()) refuse("gather", why);
   return on_engine(
       "gather", opts, list,
       {rooted_task(inputs[0], list, root, true, "torch.distributed.gather", getSize())});
@@ -290,6 +422,9 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
     return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> list = getRank() == root ? inputs[0] : std::vector<at::Tensor>{};
+  const std::string why =
+      getRank() == root ? list_error(list, outputs[0], getSize(), "scatter", "inputs") : "";
+  if (!why.empty()) refuse("scatter", why);
   return on_engine(
       "scatter", opts, outputs,
       {rooted_task(outputs[0], list, root, false, "torch.distributed.scatter", getSize())});

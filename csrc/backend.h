@@ -131,6 +131,9 @@ class Backend final : public c10d::Backend {
     return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(tasks));
   }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
+  // A call this rank's own tensors make impossible: raises why here, on the caller's thread, and
+  // rejects the collective on the engine so that the peers' calls of it raise too.
+  [[noreturn]] void refuse(const char* name, const std::string& why);
   // A send or receive: on the rings for a group on one node, else on gloo.
   c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, std::vector<at::Tensor>& tensors,
                                                 int peer, int tag, bool is_send);

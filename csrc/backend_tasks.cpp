@@ -44,16 +44,38 @@ void write_back(const at::Tensor& into, const at::Tensor& from) {
   if (!from.is_same(into)) into.copy_(from);
 }
 
-// A tensor that does not share memory with other, or a copy of it.
+// A tensor that does not share memory with other, or a copy of it; `allowed` is the one part of
+// other that t may be (an in-place call's own part).
 at::Tensor apart_from(const at::Tensor& t, const at::Tensor& other, const at::Tensor& allowed) {
-  const auto begin = [](const at::Tensor& x) { return static_cast<const char*>(x.data_ptr()); };
-  const auto end = [&](const at::Tensor& x) { return begin(x) + x.numel() * x.element_size(); };
-  if (t.numel() == 0 || other.numel() == 0) return t;
-  if (allowed.defined() && begin(t) == begin(allowed) && t.numel() == allowed.numel()) return t;
-  return end(t) <= begin(other) || end(other) <= begin(t) ? t : t.clone();
+  if (allowed.defined() && t.data_ptr() == allowed.data_ptr() && t.numel() == allowed.numel()) {
+    return t;
+  }
+  return overlaps(t, other) ? t.clone() : t;
 }
 
-// Why a list form's tensors cannot pair with `like` (one per rank, each like it), or "".
+// The bytes a tensor's elements may lie in: from its lowest element to past its highest.
+std::pair<const char*, const char*> span(const at::Tensor& t) {
+  const char* lo = static_cast<const char*>(t.data_ptr());
+  const char* hi = lo;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d) * int64_t(t.element_size());
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi + t.element_size()};
+}
+
+}  // namespace
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || a.layout() != at::kStrided ||
+      b.layout() != at::kStrided) {
+    return false;
+  }
+  const auto [a_lo, a_hi] = span(a);
+  const auto [b_lo, b_hi] = span(b);
+  return a_lo < b_hi && b_lo < a_hi;
+}
+
 std::string list_error(const std::vector<at::Tensor>& list, const at::Tensor& like, int world,
                        const std::string& what, const char* role) {
   std::ostringstream why;
@@ -63,16 +85,20 @@ std::string list_error(const std::vector<at::Tensor>& list, const at::Tensor& li
     return why.str();
   }
   for (const auto& t : list) {
-    if (t.numel() != like.numel() || t.scalar_type() != like.scalar_type()) {
-      why << "ddpx: " << what << " needs all " << role << " of " << like.numel() << " "
-          << like.scalar_type() << " elements, got " << t.numel() << " " << t.scalar_type();
+    if (t.scalar_type() != like.scalar_type()) {
+      why << "ddpx: " << what << ": invalid tensor type: its " << role << " must all be "
+          << like.scalar_type() << ", got " << t.scalar_type();
+      return why.str();
+    }
+    if (t.numel() != like.numel()) {
+      why << "ddpx: " << what << ": invalid tensor size: its " << role << " must all have "
+          << like.numel() << " elements, got " << t.numel();
       return why.str();
     }
   }
   return {};
 }
 
-// Why the tensor form's `whole` cannot hold world x `part`, or "".
 std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int world,
                         const std::string& what, const char* whole_role, const char* part_role) {
   if (whole.numel() == world * part.numel() && whole.scalar_type() == part.scalar_type()) return {};
@@ -82,6 +108,8 @@ std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int wor
       << whole.numel() << " " << whole.scalar_type();
   return why.str();
 }
+
+namespace {
 
 // The parts of the contiguous t that all_to_all_single sends or receives, one per rank: rows by
 // splits, or world equal parts without.
@@ -186,8 +214,6 @@ Task broadcast_task(const at::Tensor& tensor, int root) {
 Task all_gather_task(std::vector<at::Tensor> outs, const at::Tensor& input, int world) {
   return [outs = std::move(outs), input, world](NodeComm& comm) {
     const std::string what = "torch.distributed.all_gather";
-    const std::string why = list_error(outs, input, world, what, "outputs");
-    if (!why.empty()) comm.reject(why, what);
     std::vector<at::Tensor> dense_outs;
     for (const auto& out : outs) dense_outs.push_back(dense(out));
     at::Tensor in = dense(input);
@@ -204,8 +230,6 @@ Task all_gather_task(std::vector<at::Tensor> outs, const at::Tensor& input, int 
 Task all_gather_into_tensor_task(const at::Tensor& output, const at::Tensor& input, int world) {
   return [output, input, world](NodeComm& comm) {
     const std::string what = "torch.distributed.all_gather_into_tensor";
-    const std::string why = whole_error(output, input, world, what, "output", "input");
-    if (!why.empty()) comm.reject(why, what);
     at::Tensor out = dense(output);
     const at::Tensor own =
         out.view(-1).narrow(0, int64_t(comm.group_rank()) * input.numel(), input.numel());
@@ -221,8 +245,6 @@ Task reduce_scatter_task(const at::Tensor& output, std::vector<at::Tensor> ins, 
                          int world) {
   return [output, ins = std::move(ins), op, world](NodeComm& comm) {
     const std::string what = "torch.distributed.reduce_scatter (" + std::string(op_name(op)) + ")";
-    const std::string why = list_error(ins, output, world, what, "inputs");
-    if (!why.empty()) comm.reject(why, what);
     run_reduce_scatter(comm, output, ins, op, world, what);
   };
 }
@@ -232,8 +254,6 @@ Task reduce_scatter_tensor_task(const at::Tensor& output, const at::Tensor& inpu
   return [output, input, op, world](NodeComm& comm) {
     const std::string what =
         "torch.distributed.reduce_scatter_tensor (" + std::string(op_name(op)) + ")";
-    const std::string why = whole_error(input, output, world, what, "input", "output");
-    if (!why.empty()) comm.reject(why, what);
     run_reduce_scatter(comm, output, parts_of(dense(input), world, output.numel()), op, world,
                        what);
   };

@@ -18,6 +18,17 @@ namespace ddpx {
 
 using Task = std::function<void(NodeComm&)>;
 
+// What the backend checks on the caller's thread before it queues a task, so that a bad call
+// raises at the call (and its rejection reaches the peers): why a list form's tensors cannot
+// pair with `like` (one per rank, each of its dtype and size), why the tensor form's `whole`
+// cannot hold world x `part`, or "".
+std::string list_error(const std::vector<at::Tensor>& list, const at::Tensor& like, int world,
+                       const std::string& what, const char* role);
+std::string whole_error(const at::Tensor& whole, const at::Tensor& part, int world,
+                        const std::string& what, const char* whole_role, const char* part_role);
+// Whether two strided tensors may touch the same bytes (their spans in memory meet).
+bool overlaps(const at::Tensor& a, const at::Tensor& b);
+
 // all_reduce of tensor with op (also what reduce runs, the non-root ranks passing a copy).
 Task all_reduce_task(const at::Tensor& tensor, const c10d::ReduceOp& op, int world);
 Task broadcast_task(const at::Tensor& tensor, int root);
