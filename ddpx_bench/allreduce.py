@@ -52,8 +52,9 @@ out). In each cell (world size, size):
     and the engines take turns sample by sample so that they share the machine's conditions.
 Reported: median and p10-p90 of the samples in ms, GB/s = bytes / median time / 1e9,
 x vs gloo = gloo's median / the engine's median (bigger is faster), and x vs best peer = the
-fastest peer's median (of gloo, mpi and deepspeed, those that ran) / the engine's, and / floor =
-the engine's median / copy's (where copy ran; below 1 moves less memory than a copy). With --nodes N
+fastest peer's median (of gloo, mpi and deepspeed, those that ran; no such column when gloo is the
+only one) / the engine's, and / floor = the engine's median / copy's (where copy ran; below 1
+moves less memory than a copy; copy's own row, the floor, has no ratios). With --nodes N
 the spawned ranks are split into N nodes (GROUP_RANK, as a launcher sets it), so ddpx reduces
 hierarchically as on N machines, and the table adds the bytes ddpx's engines sent across nodes per
 call, summed over the ranks (as bandwidth-optimal collectives send them: 2(N-1)/N of the data for
@@ -420,10 +421,13 @@ def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[d
     best_peer = min(peers, key=peers.get, default=None)
     floor = next((row["median_ms"] for row in rows if row["engine"] == "copy"), None)
     for row in rows:
-        row["x_vs_gloo"] = gloo / row["median_ms"] if gloo else None
+        # copy is the floor the engines are read against, not an all-reduce to rank with them.
+        engine = row["engine"] != "copy"
+        row["x_vs_gloo"] = gloo / row["median_ms"] if gloo and engine else None
         row["best_peer"] = best_peer
-        row["x_vs_best_peer"] = peers[best_peer] / row["median_ms"] if best_peer else None
-        row["x_floor"] = row["median_ms"] / floor if floor else None
+        row["x_vs_best_peer"] = (peers[best_peer] / row["median_ms"]
+                                 if best_peer and engine else None)
+        row["x_floor"] = row["median_ms"] / floor if floor and engine else None
     return rows
 
 
@@ -502,23 +506,30 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
     inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
     linked = any("link" in row for row in rows)
     floored = any(row.get("x_floor") is not None for row in rows)
+    peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
+    # With gloo the only peer, "x vs best peer" would repeat "x vs gloo" under another name.
+    best_peer = peers not in ([], ["gloo"])
+    ranked, ranked_by = ("x_vs_best_peer", "peer") if best_peer else ("x_vs_gloo", "gloo")
     header = (
         (f"{'link':>7}  " if linked else "")
         + f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
-        f"{'GB/s':>7}  {'x vs gloo':>9}  {'x vs best peer':>14}"
+        f"{'GB/s':>7}  {'x vs gloo':>9}"
+        + (f"  {'x vs best peer':>14}" if best_peer else "")
         + (f"  {'/ floor':>7}" if floored else "")
         + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
         + (f"  {'inter-node MB/call':>18}" if inter_node else "")
         + f"  {'CPU busy/si %':>13}"
-        + (f"  {'worst ms':>9}  {'worst x peer':>12}" if runs else "")
+        + (f"  {'worst ms':>9}  {'worst x ' + ranked_by:>12}" if runs else "")
     )
     lines = [header, "-" * len(header)]
     for row in rows:
+        engine = "copy floor" if row["engine"] == "copy" else row["engine"]
         lines.append(
             (f"{row['link']:>7}  " if linked else "")
-            + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {row['engine']:<10}  "
+            + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {engine:<10}  "
             f"{row['median_ms']:>10.3f}  {format_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
-            f"{format_ratio(row['x_vs_gloo']):>9}  {format_ratio(row.get('x_vs_best_peer')):>14}"
+            f"{format_ratio(row['x_vs_gloo']):>9}"
+            + (f"  {format_ratio(row.get('x_vs_best_peer')):>14}" if best_peer else "")
             + (f"  {format_ratio(row.get('x_floor')):>7}" if floored else "")
             + (f"  {format_ms(row.get('bound_ms')):>9}  {format_ratio(row.get('x_bound')):>7}  "
                f"{format_ms(row.get('model_ms')):>9}  {format_ratio(row.get('x_model')):>7}"
@@ -526,7 +537,7 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
             + (f"  {_megabytes(row):>18}" if inter_node else "")
             + f"  {_cpu(row):>13}"
             + (f"  {row['worst_median_ms']:>9.3f}  "
-               f"{format_ratio(row.get('worst_x_vs_best_peer')):>12}" if runs else "")
+               f"{format_ratio(row.get(f'worst_{ranked}')):>12}" if runs else "")
         )
     if linked:
         lines.append(
@@ -539,13 +550,15 @@ def _allreduce_table(rows: list[dict]) -> list[str]:
     lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
                  "and the share of it in softirq (the kernel's network stack), from /proc/stat")
     if runs:
-        lines.append(runs_line(runs, "x vs best peer"))
-    peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
-    if peers:
+        lines.append(runs_line(runs, ranked.replace("_", " ")))
+    if best_peer:
         lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
+    if any(row["engine"] == "copy" for row in rows):
+        lines.append("copy floor: not an all-reduce; every rank copying its tensor once at the "
+                     "same time, the least memory traffic an in-place all-reduce needs")
     if floored:
-        lines.append("/ floor: the engine / copy in the cell (1.00: as long as every rank copying "
-                     "its tensor once; below: less memory traffic, as where nothing is copied)")
+        lines.append("/ floor: the engine / the copy floor in the cell (below 1.00: less memory "
+                     "traffic, as where nothing is copied)")
     nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
     if nodes:
         split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())

@@ -36,7 +36,7 @@ def report(mode, args, argv: list[str], result: dict) -> None:
         **mode.measured,
         **result,
     }
-    header = [quick_line(mode, argv)] if getattr(args, "quick", False) else []
+    header = [quick_line(mode, argv, args.runs)] if getattr(args, "quick", False) else []
     print(format_report(document, mode.table, header))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -79,12 +79,15 @@ def _cpu_model() -> str:
     )
 
 
-def quick_line(mode, argv: list[str]) -> str:
-    """The header's line of a --quick run: what --quick set, and the command of the full run (the
-    same command without --quick, which argparse also takes abbreviated)."""
+def quick_line(mode, argv: list[str], runs: int) -> str:
+    """The header's line of a --quick run: that it was one launch (unless --runs said more), what
+    --quick set, and the command of the full run (the same command without --quick, which
+    argparse also takes abbreviated)."""
     full = [arg for arg in argv if not (len(arg) > 2 and "--quick".startswith(arg))]
-    return (f"quick mode: --quick is {mode.quick_options} (options given win); the full run: "
-            f"{shlex.join(['ddpx-bench', *full])}")
+    launches = ("one launch, whose times another launch can change severalfold (--runs N: the "
+                "median of N); " if runs == 1 else "")
+    return (f"quick mode: {launches}--quick is {mode.quick_options} (options given win); the full "
+            f"run: {shlex.join(['ddpx-bench', *full])}")
 
 
 def format_report(document: dict, table, header: Sequence[str] = ()) -> str:

@@ -128,10 +128,15 @@ def check_times(row: dict) -> None:
 
 def check_allreduce_row(row: dict, gloo: dict, copy: dict | None = None) -> None:
     """An allreduce row beside gloo's of its cell, gloo the only peer, and copy's where it ran:
-    its figures agree with its times, and its sum was within the tolerance (the floor's is not
-    checked)."""
+    its figures agree with its times, and its sum was within the tolerance. copy's own row is
+    the floor: timed, neither checked nor ranked."""
     check_times(row)
     assert row["gb_per_s"] == pytest.approx(row["size_bytes"] / row["median_ms"] / 1e6)
+    if row["engine"] == "copy":
+        assert row["max_abs_error"] is row["tolerance"] is None
+        assert row["x_vs_gloo"] is row["x_vs_best_peer"] is row["x_floor"] is None
+        return
+    assert 0 <= row["max_abs_error"] <= row["tolerance"]
     assert row["x_vs_gloo"] == pytest.approx(gloo["median_ms"] / row["median_ms"])
     assert row["best_peer"] == "gloo"
     assert row["x_vs_best_peer"] == pytest.approx(row["x_vs_gloo"])
@@ -141,10 +146,6 @@ def check_allreduce_row(row: dict, gloo: dict, copy: dict | None = None) -> None
         assert row["x_floor"] == pytest.approx(row["median_ms"] / copy["median_ms"])
     if row["cpu_busy"] is not None:  # None: samples shorter than /proc/stat's 10 ms tick
         assert 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
-    if row["engine"] == "copy":  # the floor is timed, not checked
-        assert row["max_abs_error"] is row["tolerance"] is None
-    else:
-        assert 0 <= row["max_abs_error"] <= row["tolerance"]
 
 
 def test_allreduce(tmp_path):
@@ -161,7 +162,9 @@ def test_allreduce(tmp_path):
     for (size, _), row in rows.items():
         assert row["world_size"] == 2
         check_allreduce_row(row, rows[size, "gloo"], rows[size, "copy"])
-    assert "x vs gloo" in stdout and "x vs best peer" in stdout and "/ floor" in stdout
+    # gloo the only peer: no "x vs best peer" beside "x vs gloo"; copy a floor, not an engine.
+    assert "x vs gloo" in stdout and "x vs best peer" not in stdout and "/ floor" in stdout
+    assert "copy floor: not an all-reduce" in stdout
     if ddpx_built():
         assert re.search(r"note: ddpx on 2 ranks: .*one-shot up to 32 KiB", stdout), stdout
         # Measured on tensors in ddpx's arena, every call zero-copy (or the run had stopped).
@@ -194,8 +197,10 @@ def test_allreduce_gives_every_rank_its_threads_and_says_so(tmp_path, threads):
 # What `ddpx-bench allreduce --quick` promises: 2 ranks, DDP's bucket sizes, what every install has.
 QUICK_SIZES = [64 * 1024, 1024 * 1024, 25 * 1024 * 1024]
 QUICK_ENGINES = ["gloo", "ddpx", "copy"]
-QUICK_HEADER = ("quick mode: --quick is --world_sizes 2 --sizes 64K,1M,25M --engines "
-                "gloo,ddpx,copy --iters 10 --min_time 0.3 (options given win); the full run: ")
+QUICK_HEADER = ("quick mode: one launch, whose times another launch can change severalfold "
+                "(--runs N: the median of N); --quick is --world_sizes 2 --sizes 64K,1M,25M "
+                "--engines gloo,ddpx,copy --iters 10 --min_time 0.3 (options given win); the full "
+                "run: ")
 # Set for a run's processes, which keep it whoever adopts them.
 RUN_MARK = "DDPX_TEST_BENCH_RUN"
 
@@ -253,8 +258,14 @@ def test_allreduce_quick_measures_what_it_promises_and_says_it_was_quick(tmp_pat
     for (_, size, _), row in rows.items():
         assert row["samples"] == 10
         check_allreduce_row(row, rows[2, size, "gloo"], rows[2, size, "copy"])
-    table = [line.split()[:3] for line in lines if line.split()[:1] == ["2"]]
-    assert table == [["2", size, engine] for size in ("64K", "1M", "25M") for engine in measured]
+    table = [line.split() for line in lines if line.split()[:1] == ["2"]]
+    assert [row[:3] for row in table] == [["2", size, engine] for size in ("64K", "1M", "25M")
+                                          for engine in measured]
+    # gloo the only peer: no column repeats "x vs gloo"; the copy floor's row ranks nothing.
+    header = next(line for line in lines if line.lstrip().startswith("world"))
+    assert "x vs gloo" in header and "best peer" not in header, header
+    assert all(row[3] == "floor" and row[7:9] == ["-", "-"]  # x vs gloo, / floor
+               for row in table if row[2] == "copy"), table
 
 
 def test_allreduce_quick_takes_the_options_given_beside_it(tmp_path):
@@ -408,7 +419,7 @@ def test_runs_are_fresh_launches_summed_up_by_median_and_worst(tmp_path):
         assert row["worst_median_ms"] == max(medians)
         assert row["worst_x_vs_gloo"] == min(r["x_vs_gloo"] for r in same)
     # Each launch's ddpx engine saw its rank bound apart from its peer, as the note says.
-    assert "ranks bound to a core each" in stdout and "worst x peer" in stdout
+    assert "ranks bound to a core each" in stdout and "worst x gloo" in stdout
     assert "(this rank is bound apart from its peers)" in stdout
     assert not list(Path("/dev/shm").glob("ddpx-*"))
 
