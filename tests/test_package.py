@@ -57,7 +57,8 @@ def test_the_benchmark_and_its_testbed_are_not_in_ddpx():
 
 def test_the_hook_and_the_backend_need_neither_accelerate_nor_numpy(tmp_path):
     stdout = torchrun(tmp_path, "job.py", HOOK_JOB)
-    assert stdout.count("HOOK ddpx shared-memory engine") == 2, stdout
+    assert stdout.count("HOOK ddpx shared memory, 2 ranks a node; bfloat16; zero-copy: yes") == 2, \
+        stdout
     assert stdout.count("MODULES []") == 2, stdout
 
 

@@ -128,7 +128,7 @@ def test_every_step_runs_and_reports_without_a_gpu(tmp_path):
     trained = (tmp_path / "model_parallel-ddp.log").read_text()
     assert "world size 2, backend gloo" in trained, trained
     assert "model split: net1 on cpu, net2 on cpu" in trained, trained
-    assert "comm path: ddpx shared-memory engine, 2 local ranks" in trained, trained
+    assert "comm path: ddpx shared memory, 2 ranks a node" in trained, trained
 
 
 @pytest.mark.slow  # 26 s: its tests step runs out a 38 s budget
