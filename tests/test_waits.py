@@ -189,8 +189,9 @@ def test_ranks_rebound_to_one_cpu_yield_to_each_other():
     for (unbound, _), (free, together) in results:
         assert unbound == 0
         assert not free["oversubscribed"] and together["oversubscribed"], (free, together)
-        # Idle, a rank seldom waits for its CPU; sharing one, each waits while the other runs.
-        assert not free["shared_now"] and together["shared_now"], (free, together)
+        # Sharing one CPU, each waits while the other runs. (Unbound, whether a rank waits for
+        # its CPU depends on what else the machine runs, which a test must not assume.)
+        assert together["shared_now"], (free, together)
     assert sum(bound for (_, bound), _ in results) > 0
 
 
