@@ -45,7 +45,7 @@ RUN_HERE = {
         "final loss",
     "torchrun --nproc_per_node 2 scripts/basic.py": "final loss",
     'python -c "import ddpx.settings as s; print(s.describe())"': "DDPX_BLOCK_KB=256 (",
-    "ddpx-bench allreduce --quick": "quick mode: --quick is",
+    "ddpx-bench allreduce --quick": "quick mode: one launch,",
 }
 # Run on two hosts (node 0 as written; node 1 with its own --machine_rank, as the README says).
 MULTINODE = ("accelerate launch --config_file scripts/configs/multinode.yaml --machine_rank 0 "
