@@ -790,7 +790,7 @@ def ddp_runs(world: int):
                          timeout=240)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_ddp_without_a_hook_on_ddpx_trains_like_ddp_on_gloo(world):
     runs = ddp_runs(world)
     for run in runs:
@@ -807,7 +807,7 @@ def test_ddp_without_a_hook_on_ddpx_trains_like_ddp_on_gloo(world):
                                            **SUM_ORDER_TOLERANCE)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_bf16_model_trains_under_plain_ddp_on_ddpx(world):
     """The first step's gradients equal the float32 rank-order sum of the ranks' scaled
     gradients rounded once to bf16, bit for bit (checked in the ranks); 5 steps train; every

@@ -84,7 +84,7 @@ def _all_to_all(rank, world, ddpx_only):
                                        output_split_sizes=wrong, input_split_sizes=sends))}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_all_to_all_moves_what_gloo_moves(world):
     ddpx = run_ranks(_all_to_all, world, True, backend="ddpx")
     gloo = run_ranks(_all_to_all, world, False, backend="gloo")
@@ -135,7 +135,7 @@ def _gather_scatter(rank, world):
         lambda: dist.scatter(torch.empty(4, 3), parts if rank == 0 else None, src=0))}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_gather_scatter_and_reduce_on_the_engine(world):
     """gather and scatter, to and from the first and the last rank, one step and many: the
     parts expected, on the engine; parts of the wrong size are an error on every rank. reduce

@@ -84,7 +84,7 @@ def _exchange(rank, world, on_ddpx):
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_point_to_point_moves_what_gloo_moves(world, rank_pool):
     ddpx = rank_pool(world, backend="ddpx").run(_exchange, True)
     gloo = rank_pool(world, backend="gloo").run(_exchange, False)

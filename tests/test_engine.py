@@ -73,7 +73,7 @@ def battery(rank, world):
 
 
 @pytest.mark.parametrize("world,env", [(2, {}), (2, SMALL_BLOCKS), (3, SMALL_BLOCKS),
-                                       (4, SMALL_BLOCKS)])
+                                       pytest.param(4, SMALL_BLOCKS, marks=pytest.mark.slow)])
 def test_values_and_identical_bits_on_every_rank(world, env):
     prints = run_ranks(battery, world, env=env)
     for other in prints[1:]:

@@ -142,7 +142,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
 
-@pytest.fixture(scope="module", params=[2, 3])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
 def runs(request):
     return request.param, run_ranks(fsdp_runs, request.param, backend="ddpx")
 

@@ -184,6 +184,7 @@ def finish(bed: testbed.Testbed, jobs, timeout: float) -> list[str]:
 # Sums and training across the link
 
 
+@pytest.mark.slow  # network shaping: the multi-node README and docs lines run by default
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_sums_and_training_across_shaped_links_match_float64_and_ddp(nodes, tmp_path):
     world = 2 * nodes
@@ -299,6 +300,7 @@ def assert_exited_with_errors(statuses: list, logs: list[str]) -> None:
     assert exits == {str(r): "1" for r in range(4)}, f"exit codes by rank: {exits}"
 
 
+@pytest.mark.slow
 def test_a_link_cut_mid_call_raises_on_every_rank_of_both_nodes(tmp_path):
     at, errors, statuses, logs = run_fault("cut", "100mbit", tmp_path)
     assert_ddpx_errors(at, errors, range(4), logs)
@@ -320,6 +322,7 @@ def test_a_rank_stopped_on_the_other_node_makes_every_other_rank_raise(tmp_path)
     assert_ddpx_errors(at, errors, (0, 1, 2), logs)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_instead_of_calling_fails_its_partner_on_the_other_node(tmp_path):
     at, errors, statuses, logs = run_fault("raise", "1gbit", tmp_path)
     # Rank 1's node-mate (0) waits for it in shared memory, its partner on node 1 (3) across

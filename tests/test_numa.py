@@ -207,7 +207,7 @@ def run_placed(world, cpus, env):
 
 
 @TWO_CPUS
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_on_two_faked_nodes(world):
     """Local ranks 0-1 on CPU 0 (node 0), 2-3 on CPU 1 (node 1) at 4 ranks; 0 and 1 at 2. The
     kernel places them where it has both nodes, and refuses node 1 where it has one."""
@@ -230,7 +230,7 @@ def test_ranks_on_two_faked_nodes(world):
 
 
 @TWO_CPUS
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ranks_on_one_of_two_faked_nodes_are_placed_there(world):
     """Every rank on node 0's CPU: the kernel has node 0, so the placement takes, and each
     rank's slots carry node 0 as their policy (the pages lie there)."""

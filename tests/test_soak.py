@@ -170,6 +170,7 @@ def busy_machine():
         yield pids
 
 
+@pytest.mark.slow
 def test_soak_on_a_busy_machine_then_a_killed_rank(tmp_path, busy_machine):
     _soak_and_kill(10, tmp_path, busy_machine)
 
