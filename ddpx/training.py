@@ -108,10 +108,13 @@ def make_accelerator(args: argparse.Namespace) -> Accelerator:
 
     `cpu=True` without CUDA matters: under a multi-process launcher, a plain `Accelerator()` on a
     machine without GPUs initializes no process group and every process trains alone (world size 1).
+    A CPU process that no launcher started as a rank says so first, with the command of two.
     """
     whole_lines(sys.stdout)
     torch.manual_seed(args.seed)
     cpu = args.cpu or not torch.cuda.is_available()
+    if cpu and "WORLD_SIZE" not in os.environ:
+        print(_one_process_line())
     # Accelerate takes no backend of its own on CPU (InitProcessGroupKwargs(backend="ddpx") is
     # refused as "not available"), and uses the process group it finds initialized.
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -142,12 +145,10 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     """Register the comm hook `name` (one of COMM_HOOKS) on a DDP model.
 
     Returns a line naming the communication path in use. A model that is not wrapped in DDP (one
-    process: Accelerate does not wrap it) exchanges no gradients and gets no hook; the line then
-    gives the command that runs this script on two CPU processes.
+    process: Accelerate does not wrap it) exchanges no gradients and gets no hook.
     """
     if not isinstance(model, DistributedDataParallel):
-        return ("none (1 process: no DDP wrapper, no gradients to exchange); "
-                f"2 CPU processes: {_two_process_command()}")
+        return "none (1 process: no DDP wrapper, no gradients to exchange)"
     if name.startswith("ddpx"):
         compression = name.partition("-")[2] or None
         return ddpx.register_fused_hook(model, compression=compression).describe()
@@ -161,11 +162,17 @@ def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
     return f"DDP default all-reduce ({backend}: {path})"
 
 
-def _two_process_command() -> str:
-    """This command line as `accelerate launch` on two CPU processes (scripts/configs/cpu.yaml)."""
-    script = sys.argv[0]
-    config = os.path.join(os.path.dirname(script), "configs", "cpu.yaml")
-    return shlex.join(["accelerate", "launch", "--config_file", config, script, *sys.argv[1:]])
+def _one_process_line() -> str:
+    """One line: this process runs alone, why, and this command line on two CPU processes.
+
+    Without a config file, `accelerate launch` on a machine without GPUs starts one process and
+    drops --num_processes without a word: a user who asked for ranks would train alone unaware.
+    """
+    how = ("`accelerate launch` without --multi_gpu or a config file starts one on a machine "
+           "without GPUs, whatever --num_processes says"
+           if "ACCELERATE_USE_CPU" in os.environ else "no launcher")
+    two = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", *sys.argv]
+    return f"ddpx: 1 process ({how}); 2 processes: {shlex.join(two)}"
 
 
 def random_batch(

@@ -7,7 +7,8 @@ ranks.
 Launch from the repository root:
 
     python scripts/basic.py                     # 1 process
-    accelerate launch scripts/basic.py          # 1 process, through Accelerate
+    accelerate launch scripts/basic.py          # 1 process without GPUs (its first line says so)
+    accelerate launch --multi_gpu --num_processes 2 scripts/basic.py   # 2 CPU processes, no config
     torchrun --nproc_per_node 2 scripts/basic.py
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/basic.py    # 2 CPU processes
     accelerate launch --config_file scripts/configs/cpu.yaml --num_processes 4 scripts/basic.py

@@ -204,21 +204,35 @@ def test_a_flag_error_is_printed_even_when_the_printing_rank_parses_last(tmp_pat
         "unrecognized arguments: --bogus"], output
 
 
-@pytest.mark.slow
-def test_one_process_gives_the_command_for_two(tmp_path):
-    """`accelerate launch scripts/basic.py` with no Accelerate config runs one process; its comm
-    path line gives the command for two CPU processes, which runs two."""
+# The README's lines: the command the project exists for, as a newcomer types it without an
+# Accelerate config, and the one that starts two CPU processes without a config.
+ONE_PROCESS = "accelerate launch --num_processes 2 scripts/basic.py"
+TWO_PROCESSES = "accelerate launch --multi_gpu --num_processes 2 scripts/basic.py"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA devices")
+def test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_process(tmp_path):
+    """Accelerate without a config starts one process on a machine without GPUs, whatever
+    --num_processes says. The script's first line says so, with the command that starts two,
+    which does."""
     no_config = dict(os.environ, HF_HOME=str(tmp_path))  # where Accelerate's default config is
-    stdout = run([sys.executable, "-m", "accelerate.commands.launch", SCRIPTS / "basic.py",
+    launcher, *arguments = shlex.split(ONE_PROCESS)[1:]
+    assert launcher == "launch"
+    stdout = run([sys.executable, "-m", "accelerate.commands.launch", *arguments,
                   "--steps", STEPS], env=no_config)
-    command = re.search(r"^comm path: none \(1 process.*; 2 CPU processes: (.+)$", stdout,
-                        re.MULTILINE).group(1)
-    assert command == (f"accelerate launch --config_file {SCRIPTS / 'configs' / 'cpu.yaml'} "
-                       f"{SCRIPTS / 'basic.py'} --steps {STEPS}")
+    check_training(stdout, 1, "comm path: none (1 process")
+    first = stdout.splitlines()[0]
+    assert first.startswith("ddpx: 1 process (`accelerate launch` without --multi_gpu or a config "
+                            "file starts one on a machine without GPUs, whatever --num_processes "
+                            "says); 2 processes: "), stdout
+    command = first.split("; 2 processes: ", 1)[1]
+    assert command == f"{TWO_PROCESSES} --steps {STEPS}"
     launcher, *arguments = shlex.split(command)[1:]
     assert launcher == "launch"
-    check_training(run([sys.executable, "-m", "accelerate.commands.launch", *arguments]), 2,
-                   COMM_PATHS["ddpx"])
+    # The script by its full path: how finish finds the ranks, should they hang.
+    arguments[arguments.index("scripts/basic.py")] = SCRIPTS / "basic.py"
+    check_training(run([sys.executable, "-m", "accelerate.commands.launch", *arguments],
+                       env=no_config), 2, COMM_PATHS["ddpx"])
 
 
 def test_model_parallel():
