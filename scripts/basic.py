@@ -16,11 +16,13 @@ Launch from the repository root:
 
 Add --comm_hook default (DDP's own all-reduce) or --comm_hook fp16 (torch's fp16 compression hook)
 to compare. With one process, Accelerate does not wrap the model in DDP: there is nothing to
-exchange, no hook is registered, and the script says so in its "comm path" line.
+exchange, no hook is registered, and the script says so in its "comm path" line. Should a rank
+fail under torchrun or accelerate launch, the launcher's report quotes its error as the root cause.
 """
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpx.models import ToyModel
 from ddpx.training import (
@@ -53,6 +55,7 @@ def train(accelerator, args):
     accelerator.print(f"final loss {mean_loss:.6f}")
 
 
+@record  # so that the launcher's failure report quotes the error of the rank that failed
 def main():
     args = make_parser(__doc__).parse_args()
     accelerator = make_accelerator(args)

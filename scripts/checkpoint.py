@@ -40,6 +40,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from accelerate.utils import broadcast_object_list
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpx.models import ToyModel
 from ddpx.training import (
@@ -179,6 +180,7 @@ def train(accelerator, args):
     accelerator.print(f"parameter digest {parameter_digest(model)}")
 
 
+@record  # so that the launcher's failure report quotes the error of the rank that failed
 def main():
     parser = make_parser(__doc__)
     parser.add_argument("--output_dir", help="where checkpoints go and stay (default: a "

@@ -235,6 +235,17 @@ def test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_proces
                        env=no_config), 2, COMM_PATHS["ddpx"])
 
 
+def test_a_failing_rank_is_the_root_cause_accelerate_launch_reports(tmp_path):
+    """A checkpoint that does not load: the ranks raise, the launcher stops the job, and its
+    report quotes the error as the root cause (the scripts' main is torch's @record), where
+    it would otherwise say only "To enable traceback see"."""
+    corrupt = tmp_path / "checkpoint.pt"
+    corrupt.write_text("not a checkpoint")
+    output = accelerate_launch_to_fail("checkpoint.py", "--resume_from_checkpoint", corrupt)
+    root_cause = output.split("Root Cause (first observed failure):", 1)[1]
+    assert "in load_checkpoint" in root_cause and "UnpicklingError" in root_cause, output
+
+
 def test_model_parallel():
     stdout = accelerate_launch("model_parallel.py")
     check_training(stdout, 2, COMM_PATHS["ddpx"])
