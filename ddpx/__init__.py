@@ -8,6 +8,7 @@ from ddpx import backend as _backend
 from ddpx._ext import build_info
 from ddpx.backend import backend_of
 from ddpx.engine import all_reduce
+from ddpx.errors import record
 from ddpx.hooks import FusedHookState, fused_allreduce_hook, register_fused_hook
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "backend_of",
     "build_info",
     "fused_allreduce_hook",
+    "record",
     "register_fused_hook",
 ]
 

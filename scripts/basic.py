@@ -22,8 +22,8 @@ fail under torchrun or accelerate launch, the launcher's report quotes its error
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpx import record
 from ddpx.models import ToyModel
 from ddpx.training import (
     attach_comm_hook,
@@ -55,7 +55,7 @@ def train(accelerator, args):
     accelerator.print(f"final loss {mean_loss:.6f}")
 
 
-@record  # so that the launcher's failure report quotes the error of the rank that failed
+@record  # so that the launcher's failure report quotes the first failed rank's error
 def main():
     args = make_parser(__doc__).parse_args()
     accelerator = make_accelerator(args)

@@ -40,8 +40,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from accelerate.utils import broadcast_object_list
-from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpx import record
 from ddpx.models import ToyModel
 from ddpx.training import (
     attach_comm_hook,
@@ -180,7 +180,7 @@ def train(accelerator, args):
     accelerator.print(f"parameter digest {parameter_digest(model)}")
 
 
-@record  # so that the launcher's failure report quotes the error of the rank that failed
+@record  # so that the launcher's failure report quotes the first failed rank's error
 def main():
     parser = make_parser(__doc__)
     parser.add_argument("--output_dir", help="where checkpoints go and stay (default: a "

@@ -29,9 +29,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpx import record
 from ddpx.models import ToyMpModel
 from ddpx.training import (
     attach_comm_hook,
@@ -104,7 +104,7 @@ def train(accelerator, args):
     accelerator.print(f"final loss {mean_loss:.6f}")
 
 
-@record  # so that the launcher's failure report quotes the error of the rank that failed
+@record  # so that the launcher's failure report quotes the first failed rank's error
 def main():
     parser = make_parser(__doc__)
     parser.add_argument("--devices", metavar="DEV0,DEV1",

@@ -237,8 +237,8 @@ def test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_proces
 
 def test_a_failing_rank_is_the_root_cause_accelerate_launch_reports(tmp_path):
     """A checkpoint that does not load: the ranks raise, the launcher stops the job, and its
-    report quotes the error as the root cause (the scripts' main is torch's @record), where
-    it would otherwise say only "To enable traceback see"."""
+    report quotes the error as the root cause (the scripts' main is ddpx.record), where it
+    would otherwise say only "To enable traceback see"."""
     corrupt = tmp_path / "checkpoint.pt"
     corrupt.write_text("not a checkpoint")
     output = accelerate_launch_to_fail("checkpoint.py", "--resume_from_checkpoint", corrupt)
