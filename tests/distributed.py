@@ -184,13 +184,15 @@ def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
 
 def torchrun(tmp_path: Path, name: str, source: str, *args: str, timeout: float = 180) -> str:
     """Writes ``source`` to ``tmp_path / name`` and runs it on 2 ranks of one node with
-    torchrun (one thread each), from tmp_path, with ``args``; asserts that it succeeded and
+    torchrun (one thread each), from tmp_path, with ``args``; asserts that it succeeded and that
+    no rank aborted at exit (gloo's "terminate called without an active exception"), and
     returns what the ranks printed."""
     (tmp_path / name).write_text(source)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", name, *args], capture_output=True, text=True,
                           timeout=timeout, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "terminate called" not in done.stderr, done.stderr
     return done.stdout
 
 
