@@ -5,6 +5,8 @@ API and trainer lines in jobs that hold them verbatim (here, and in tests/test_t
 the install, test and results commands as .ci/run's own steps; the Arm run in a slow test. A
 line added to the README fails the first test until this file says what runs it."""
 
+import inspect
+import operator
 import os
 import re
 import subprocess
@@ -51,13 +53,18 @@ RUN_HERE = {
 # Run on two hosts (node 0 as written; node 1 with its own --machine_rank, as the README says).
 MULTINODE = ("accelerate launch --config_file scripts/configs/multinode.yaml --machine_rank 0 "
              "--main_process_ip 10.0.0.1 --main_process_port 29500 scripts/basic.py")
+# The API table's signatures: each is its function's, checked with inspect.signature (API_JOB
+# calls them).
+SIGNATURES = [
+    "ddpx.register_fused_hook(ddp_model, *, process_group=None, compression=None, timeout=None)",
+    "ddpx.all_reduce(tensor, *, group=None, average=False, compression=None)",
+    "ddpx.backend_of(group=None)",
+    "ddpx.build_info()",
+    "ddpx.record(fn)",
+]
 # Code that a job holds verbatim: API_JOB below, or the named test's.
 IN_JOBS = {
-    "ddpx.register_fused_hook(model, process_group=None, compression=None, timeout=None)": None,
     "model.register_comm_hook(ddpx.FusedHookState(), ddpx.fused_allreduce_hook)": None,
-    "ddpx.all_reduce(tensor, group=None, average=False, compression=None)": None,
-    "ddpx.backend_of(group=None)": None,
-    "ddpx.build_info()": None,
     "ddpx.engine.engine_for(group).schedule": None,
     "describe()": None,
     ".describe()": None,
@@ -92,9 +99,8 @@ IN_CI = {
 IN_SLOW_TESTS = {"bash tools/arm_run.sh": "test_arm.py"}
 # Lines no machine of this project's CI can run, and where they do run.
 ELSEWHERE = {
-    "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install ninja":
-        "reaches PyTorch's own index, which this project's machines cannot",
-    "pip install torch": "named as what not to run on a CPU-only machine (PyPI's CUDA build)",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+    "pip install ninja": "reaches PyTorch's own index, which this project's machines cannot",
     "accelerate launch --config_file scripts/configs/gpu.yaml --num_processes 2 scripts/basic.py":
         "needs two CUDA GPUs",
     "bash tools/gpu_check.sh": "needs a CUDA GPU: run on the GPU machine some issues are lent",
@@ -150,7 +156,7 @@ def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
     assert README.count("```python\n") == len(RUNNABLE)
     lines = code_block_commands(README, "bash") + readme_inline_code()
-    known = [*RUN_HERE, MULTINODE, *IN_JOBS, *IN_CI, *IN_SLOW_TESTS, *ELSEWHERE]
+    known = [*RUN_HERE, MULTINODE, *SIGNATURES, *IN_JOBS, *IN_CI, *IN_SLOW_TESTS, *ELSEWHERE]
     assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
     ci = (REPO / ".ci" / "run").read_text()
     assert [line for line in IN_CI if line not in ci] == []
@@ -195,6 +201,25 @@ def test_the_readme_example_names_a_failing_rank_as_the_root_cause(tmp_path):
     root_cause = out.split("Root Cause (first observed failure):", 1)[1]
     assert re.search(r"rank +: 1 \(local_rank: 1\)", root_cause), out
     assert "RuntimeError: rank 1 stopped on purpose" in root_cause, out
+
+
+@pytest.mark.parametrize("line", SIGNATURES)
+def test_the_api_tables_signatures_are_the_functions(line):
+    """Keyword-only parameters shown as such: `register_fused_hook(model, None, "bf16")`, which
+    the table once suggested, raises TypeError."""
+    import ddpx
+
+    name = line.split("(", 1)[0]
+    function = operator.attrgetter(name.removeprefix("ddpx."))(ddpx)
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty)
+                  for parameter in inspect.signature(function).parameters.values()]
+    assert line == f"{name}{inspect.Signature(parameters)}"
+
+
+def test_the_readmes_torch_is_the_one_ci_tests():
+    """Every pinned torch of the README, the CPU install's included, is .ci/run's."""
+    ci = set(re.findall(r"torch==(\S+)", (REPO / ".ci" / "run").read_text()))
+    assert len(ci) == 1 and set(re.findall(r"torch==([\w.]+)", README)) == ci
 
 
 def test_the_readme_api_lines_run_as_written(tmp_path):
