@@ -1,9 +1,11 @@
 """Every line of code a user can copy from the README, run as written: its Python examples under
-torchrun (2 processes); its commands in a shell, from a folder that sees the repository's
-scripts/, the multi-node one on two network-namespace hosts at the README's own addresses; its
-API and trainer lines in jobs that hold them verbatim (here, and in tests/test_trainers.py);
-the install, test and results commands as .ci/run's own steps; the Arm run in a slow test. A
-line added to the README fails the first test until this file says what runs it."""
+torchrun (2 processes), ten launches each, every one ending cleanly; its commands in a shell,
+from a folder that sees the repository's scripts/, the multi-node one on two network-namespace
+hosts at the README's own addresses; its API and trainer lines in jobs that hold them verbatim
+(here, and in tests/test_trainers.py), the API table's signatures against the functions'; the
+install, test and results commands as .ci/run's own steps; the accelerate launch lines without a
+config in tests/test_scripts.py, the Arm run in a slow test. A line added to the README fails
+the first test until this file says what runs it."""
 
 import inspect
 import operator
@@ -30,11 +32,8 @@ COMMAND = re.compile(r"(pip|python|accelerate|torchrun|ddpx-bench|bash|docker) \
 
 
 def readme_inline_code() -> list[str]:
-    """The prose's inline code that a user can copy as a line: commands and calls. The errors
-    table's entries are messages, not code (tests/test_faults.py and others check them)."""
+    """The prose's inline code that a user can copy as a line: commands and calls."""
     prose = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
-    before, errors = prose.split("\n## Errors\n", 1)
-    prose = before + errors.split("\n## ", 1)[1]
     spans = dict.fromkeys(" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose))
     return [span for span in spans if COMMAND.match(span) or "(" in span]
 
@@ -70,6 +69,7 @@ IN_JOBS = {
     ".describe()": None,
     ".routes()": None,
     "ddpx.training.make_accelerator(args)": None,
+    "gc.collect()": None,
     "dist.destroy_process_group()": None,
     'init_process_group("ddpx")': None,
     'strategy=DDPStrategy(process_group_backend="ddpx")': "test_trainers.py",
@@ -95,8 +95,12 @@ IN_CI = {
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
     "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --load 1 --bind core",
 }
-# Commands a slow test (`pytest -m slow`) runs as written, and its file in tests/.
-IN_SLOW_TESTS = {"bash tools/arm_run.sh": "test_arm.py"}
+# Commands a test runs as written, and its file in tests/ (test_arm.py's: `pytest -m slow`).
+IN_TESTS = {
+    "bash tools/arm_run.sh": "test_arm.py",
+    "accelerate launch --num_processes 2 scripts/basic.py": "test_scripts.py",
+    "accelerate launch --multi_gpu --num_processes 2 scripts/basic.py": "test_scripts.py",
+}
 # Lines no machine of this project's CI can run, and where they do run.
 ELSEWHERE = {
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
@@ -107,6 +111,8 @@ ELSEWHERE = {
 }
 
 API_JOB = '''
+import gc
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -148,6 +154,7 @@ args = ddpx.training.make_parser("the README's API").parse_args([])
 accelerator = ddpx.training.make_accelerator(args)
 print(f"ACCELERATE {accelerator.num_processes}")
 del model, state, accelerator
+gc.collect()
 dist.destroy_process_group()
 '''
 
@@ -156,11 +163,11 @@ def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(RUNNABLE) == ["collectives.py", "train.py"]
     assert README.count("```python\n") == len(RUNNABLE)
     lines = code_block_commands(README, "bash") + readme_inline_code()
-    known = [*RUN_HERE, MULTINODE, *SIGNATURES, *IN_JOBS, *IN_CI, *IN_SLOW_TESTS, *ELSEWHERE]
+    known = [*RUN_HERE, MULTINODE, *SIGNATURES, *IN_JOBS, *IN_CI, *IN_TESTS, *ELSEWHERE]
     assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
     ci = (REPO / ".ci" / "run").read_text()
     assert [line for line in IN_CI if line not in ci] == []
-    assert [line for line, name in IN_SLOW_TESTS.items()
+    assert [line for line, name in IN_TESTS.items()
             if f'"{line}"' not in (REPO / "tests" / name).read_text()] == []
     jobs = {name: (REPO / "tests" / name).read_text() for name in set(IN_JOBS.values()) if name}
     assert [code for code, where in IN_JOBS.items()
@@ -201,6 +208,18 @@ def test_the_readme_example_names_a_failing_rank_as_the_root_cause(tmp_path):
     root_cause = out.split("Root Cause (first observed failure):", 1)[1]
     assert re.search(r"rank +: 1 \(local_rank: 1\)", root_cause), out
     assert "RuntimeError: rank 1 stopped on purpose" in root_cause, out
+
+
+def test_the_readme_example_runs_under_debug_detail_on_the_ddpx_backend(tmp_path):
+    """The Known issues' advice: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes the example on gloo
+    (torch 2.13.0), and runs it on the ddpx backend."""
+    on_ddpx = RUNNABLE["train.py"].replace('init_process_group("gloo")',
+                                           'init_process_group("ddpx")')
+    assert on_ddpx != RUNNABLE["train.py"]
+    rc, out, _ = run_job(on_ddpx, 2, tmp_path, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+                         timeout=120)
+    assert rc == 0 and "terminate called" not in out, out
+    assert out.count("ddpx shared memory, 2 ranks a node") == 2, out
 
 
 @pytest.mark.parametrize("line", SIGNATURES)
