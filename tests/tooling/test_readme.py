@@ -175,18 +175,18 @@ def test_every_copyable_line_of_the_readme_is_run():
 
 
 # Launches of each Python example, every one of which must end cleanly: gloo's abort at exit
-# (a process group outliving the interpreter) comes in some launches, not in every one.
-LAUNCHES = 10
-
-
+# (a process group outliving the interpreter) comes in some launches, not in every one. Ten
+# launches take a minute an example here: once by default, ten times under -m slow.
+@pytest.mark.parametrize("launches", [1, pytest.param(10, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name, expected", [
     ("train.py", "ddpx shared memory, 2 ranks a node"),
     ("collectives.py", "{'all_reduce': {'engine': 1, 'gloo': 0}}"),
 ])
-def test_a_readme_example_runs_as_written_and_ends_cleanly_every_time(name, expected, tmp_path):
+def test_a_readme_example_runs_as_written_and_ends_cleanly_every_time(name, expected, launches,
+                                                                      tmp_path):
     """Each launch exits 0 without "terminate called without an active exception" (torchrun
     asserts both), every rank having printed its line."""
-    for _ in range(LAUNCHES):
+    for _ in range(launches):
         stdout = torchrun(tmp_path, name, RUNNABLE[name], timeout=120)
         assert stdout.count(expected) == 2, stdout  # one line from each rank
 
