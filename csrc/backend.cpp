@@ -86,7 +86,15 @@ Backend::Backend(int rank, int size, std::chrono::milliseconds timeout,
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> Backend::options() const {
-  return c10::make_intrusive<Options>(getBackendName(), timeout_);
+  return c10::make_intrusive<Options>(getBackendName(), timeout_.load());
+}
+
+void Backend::set_timeout(std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(timeout.count() > 0, "ddpx: a process group's timeout must be above zero");
+  timeout_ = timeout;
+#if DDPX_TORCH_AT_LEAST_2_13
+  gloo_->setTimeout(timeout);
+#endif
 }
 
 #if DDPX_TORCH_AT_LEAST_2_9
@@ -136,7 +144,7 @@ c10::intrusive_ptr<c10d::Work> Backend::on_engine(const char* name, bool async,
                                                   std::vector<Task> tasks) {
   count(name, Route::kEngine);
   const auto type = c10::ListType::create(c10::TensorType::get());
-  if (timeout == c10d::kUnsetTimeout) timeout = std::chrono::milliseconds(0);
+  if (timeout == c10d::kUnsetTimeout) timeout = timeout_.load();
   auto run_all = [name, profiler = CallerProfiler(), outputs = c10::List<at::Tensor>(outputs),
                   tasks = std::move(tasks), timeout](NodeComm& comm) {
     const ProfilerGuard traced(profiler);

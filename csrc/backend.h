@@ -11,6 +11,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -38,6 +39,9 @@ class Backend final : public c10d::Backend {
   // which torch.distributed and ddpx's own hook read from a group's backend (torch declares
   // getBackendOptions from 2.9 on; Python reads `options` on any torch).
   c10::intrusive_ptr<Options> options() const;
+  // The timeout of the calls that give none of their own from now on (torch.distributed's
+  // _set_pg_timeout), on the engine and the inner gloo.
+  void set_timeout(std::chrono::milliseconds timeout);
 #if DDPX_TORCH_AT_LEAST_2_9
   c10::intrusive_ptr<Options> getBackendOptions() override { return options(); }
 #endif
@@ -140,7 +144,7 @@ class Backend final : public c10d::Backend {
   void count(const char* name, Route route);
   bool local() const { return engine_ && !engine_->comm().spans_nodes(); }
 
-  const std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::shared_ptr<ShmEngine> engine_;
   std::unique_ptr<ShmPointToPoint> p2p_;  // after engine_: its rings are in the engine's segment

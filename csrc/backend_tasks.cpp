@@ -337,7 +337,7 @@ Task all_to_all_single_task(const at::Tensor& output, const at::Tensor& input,
                             const std::vector<int64_t>& input_splits, bool equal_parts, int world) {
   const std::string what = "torch.distributed.all_to_all_single";
   TORCH_CHECK_VALUE(input.is_contiguous() && output.is_contiguous(), "ddpx: ", what,
-                    " takes contiguous tensors");
+                    ": Tensors must be contiguous (call .contiguous() on them first)");
   return all_to_all_task(split_parts(output, output_splits, world, "output", what),
                          split_parts(input, input_splits, world, "input", what), equal_parts, what);
 }

@@ -292,6 +292,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("why_not") = std::string())
       .def("describe", &Backend::describe)
       .def_property_readonly("options", &Backend::options)
+      .def("_set_default_timeout", &Backend::set_timeout, py::arg("timeout"))
       .def_property_readonly("engine", &Backend::engine)
       .def_property_readonly("why_not", &Backend::why_not)
       .def("routes", [](const Backend& b) {

@@ -5,6 +5,8 @@ list forms of all-reduce, all-gather and broadcast, sparse lists) gloo serves; a
 tensors or root are wrong raises at the call, on the caller's thread, even with async_op=True,
 while the peers' calls of it raise naming that rank, and the group stays in step."""
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -174,12 +176,18 @@ def refused_at_the_call(rank, world):
             messages[name] = ("at wait", str(error))
     dist.all_reduce(probe := torch.ones(1))
     messages["in step after"] = probe.item() == world
+    # gloo's _set_default_timeout (torch.distributed's _set_pg_timeout asks gloo for it): the
+    # group's options say the new timeout, and calls go on.
+    ddpx_backend._set_default_timeout(timedelta(seconds=23))
+    dist.all_reduce(probe := torch.ones(1))
+    messages["new timeout"] = (ddpx_backend.options._timeout, probe.item() == world)
     return messages
 
 
 def test_a_bad_call_raises_at_the_call_and_its_peers_name_it():
     root, peer = run_ranks(refused_at_the_call, 2, backend="ddpx")
     assert root["in step"] and root["in step after"] and peer["in step after"]
+    assert root["new timeout"] == peer["new timeout"] == (timedelta(seconds=23), True), root
     for name in ("gather", "scatter"):
         assert root[name][0] == "at the call" and "invalid tensor type" in root[name][1], root
         assert "rank 0 rejected its input" in peer[name][1], peer
