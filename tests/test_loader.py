@@ -195,4 +195,5 @@ def test_import_ddpx_loads_the_library_only():
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == str(sorted(["ddpx", "ddpx._buildspec", "ddpx._ext",
                                               "ddpx._numa", "ddpx._setup", "ddpx.backend",
-                                              "ddpx.engine", "ddpx.hooks", "ddpx.settings"]))
+                                              "ddpx.engine", "ddpx.errors", "ddpx.hooks",
+                                              "ddpx.settings"]))
