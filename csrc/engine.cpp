@@ -2,6 +2,7 @@
 // door of the node's all-reduce, and the process group's path.
 #include "engine.h"
 
+#include <Python.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -75,6 +76,12 @@ void ShmEngine::shutdown() {
   if (!worker_.joinable()) return;
   if (worker_.get_id() == std::this_thread::get_id()) {
     worker_.detach();  // it holds the queue and ends after its current job
+  } else if (Py_IsInitialized() && PyGILState_Check()) {
+    // A backend that Python frees gets here holding the GIL, which the worker may need to drop
+    // the last reference to a finished job's tensors: joining with it held would never end.
+    PyThreadState* state = PyEval_SaveThread();
+    worker_.join();
+    PyEval_RestoreThread(state);
   } else {
     worker_.join();
   }
@@ -143,14 +150,19 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
   while (true) {
     q.cv.wait(lock, [&] { return (!q.jobs.empty() && !q.busy) || (q.stopping && q.jobs.empty()); });
     if (q.jobs.empty()) return;
-    Queue::Job job = std::move(q.jobs.front());
-    q.jobs.pop_front();
-    q.busy = true;
-    lock.unlock();
-    try {
-      job.future->markCompleted(job.op(*q.comm));
-    } catch (...) {
-      job.future->setError(std::current_exception());
+    {
+      Queue::Job job = std::move(q.jobs.front());
+      q.jobs.pop_front();
+      q.busy = true;
+      lock.unlock();
+      try {
+        job.future->markCompleted(job.op(*q.comm));
+      } catch (...) {
+        job.future->setError(std::current_exception());
+      }
+      // The job (its closure's tensors) is released here, before the queue's lock is taken
+      // again: a tensor's last reference can take the GIL, which a thread waiting for that
+      // lock (shutdown, from a backend freed by Python) may hold.
     }
     lock.lock();
     q.busy = false;
