@@ -45,12 +45,21 @@ std::string overlapping_parts(const std::vector<at::Tensor>& parts, const char* 
   return {};
 }
 
-// Why the coalesced lists cannot pair one output with one input, or write every output, or "".
+// Why the coalesced lists cannot pair each output with its input, the one of them that holds
+// the world's parts (`whole`: the output of an all-gather, the input of a reduce-scatter) being
+// world times the other, or cannot write every output; or "".
 std::string coalesced_error(const std::vector<at::Tensor>& outputs,
-                            const std::vector<at::Tensor>& inputs, const char* name) {
+                            const std::vector<at::Tensor>& inputs, const char* name,
+                            bool output_whole, int world) {
   if (outputs.size() != inputs.size()) {
     return std::string("ddpx: ") + name + " takes as many outputs as inputs, got " +
            std::to_string(outputs.size()) + " and " + std::to_string(inputs.size());
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const std::string why =
+        output_whole ? whole_error(outputs[i], inputs[i], world, name, "output", "input")
+                     : whole_error(inputs[i], outputs[i], world, name, "input", "output");
+    if (!why.empty()) return why;
   }
   return overlapping_parts(outputs, name, "outputs");
 }
@@ -309,10 +318,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
                    gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
   const char* name = "all_gather_into_tensor_coalesced";
-  std::string why = coalesced_error(outputs, inputs, name);
-  for (size_t i = 0; i < inputs.size() && why.empty(); ++i) {
-    why = whole_error(outputs[i], inputs[i], getSize(), name, "output", "input");
-  }
+  const std::string why = coalesced_error(outputs, inputs, name, true, getSize());
   if (!why.empty()) refuse(name, why);
   const std::vector<at::Tensor> ins = apart_from_outputs(inputs, outputs);
   std::vector<Task> tasks;
@@ -368,10 +374,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
                    gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
   const char* name = "reduce_scatter_tensor_coalesced";
-  std::string why = coalesced_error(outputs, inputs, name);
-  for (size_t i = 0; i < inputs.size() && why.empty(); ++i) {
-    why = whole_error(inputs[i], outputs[i], getSize(), name, "input", "output");
-  }
+  const std::string why = coalesced_error(outputs, inputs, name, false, getSize());
   if (!why.empty()) refuse(name, why);
   const std::vector<at::Tensor> ins = apart_from_outputs(inputs, outputs);
   std::vector<Task> tasks;
