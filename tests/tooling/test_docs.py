@@ -32,6 +32,15 @@ ELSEWHERE = {
     "BACKEND=gloo WORLD_SIZE=2 python -m pytest tests/torch_suite.py -p no:cacheprovider -o "
     "addopts=": "the torch suite on gloo: tests/test_torch_suite.py runs it (-m slow)",
     "python -m pytest -m slow tests/test_torch_suite.py": "-m slow",
+    # PyTorch's test_c10d_gloo.py, which the wheel does not ship: test_torch_suite.py runs it
+    # (-m slow) where DDPX_TORCH_TESTS names a copy.
+    "export DDPX_TORCH_TESTS=/path/to/torch-tests PYTHONPATH=$DDPX_TORCH_TESTS:tests":
+        "names a copy of PyTorch's test files",
+    "DDPX_GLOO_SUITE_ON=gloo python -m pytest tests/torch_gloo_suite.py -p no:cacheprovider "
+    "-o addopts= -q": "needs PyTorch's test files",
+    "python -m pytest tests/torch_gloo_suite.py -p no:cacheprovider -o addopts= -q":
+        "needs PyTorch's test files",
+    "python -m pytest -m slow tests/test_torch_suite.py -k gloo_file": "-m slow",
     "bash tools/gpu_check.sh": "needs a CUDA GPU",
     "bash tools/gpu_check.sh --only tests": "needs a CUDA GPU",
 }
