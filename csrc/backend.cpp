@@ -6,6 +6,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -29,20 +30,25 @@ std::string root_error(const char* name, int64_t root, int64_t root_tensor, int 
   return why.str();
 }
 
+// The first two of a list's tensors that share memory, if any.
+std::optional<std::pair<size_t, size_t>> first_overlap(const std::vector<at::Tensor>& parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (size_t j = i + 1; j < parts.size(); ++j) {
+      if (overlaps(parts[i], parts[j])) return std::make_pair(i, j);
+    }
+  }
+  return std::nullopt;
+}
+
 // Why two of a list's parts, each of which the call writes, cannot both be written, or "".
 std::string overlapping_parts(const std::vector<at::Tensor>& parts, const char* name,
                               const char* role) {
-  for (size_t i = 0; i < parts.size(); ++i) {
-    for (size_t j = i + 1; j < parts.size(); ++j) {
-      if (overlaps(parts[i], parts[j])) {
-        std::ostringstream why;
-        why << "ddpx: " << name << "'s " << role << " " << i << " and " << j
-            << " share memory: give each part a tensor of its own";
-        return why.str();
-      }
-    }
-  }
-  return {};
+  const auto pair = first_overlap(parts);
+  if (!pair) return {};
+  std::ostringstream why;
+  why << "ddpx: " << name << "'s " << role << " " << pair->first << " and " << pair->second
+      << " share memory: give each part a tensor of its own";
+  return why.str();
 }
 
 // Why the coalesced lists cannot pair each output with its input, the one of them that holds
@@ -242,14 +248,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
       !std::all_of(tensors.begin(), tensors.end(), strided_like_first)) {
     return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
   }
-  bool aliased = false;
-  for (size_t i = 0; i < tensors.size() && !aliased; ++i) {
-    for (size_t j = i + 1; j < tensors.size() && !aliased; ++j) {
-      aliased = overlaps(tensors[i], tensors[j]);
-    }
-  }
   std::vector<Task> tasks;
-  if (aliased) {
+  if (first_overlap(tensors)) {
     // Reduced one after another in place, a tensor listed twice would be summed twice: as gloo
     // does, every entry is reduced from its value at the call, and written back in list order.
     std::vector<at::Tensor> flat;
