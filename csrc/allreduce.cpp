@@ -332,8 +332,8 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   ShmChannel& channel = comm.channel();
   const size_t wire_size = dtype_size(wire);
   const size_t bytes = size_t(numel) * wire_size;
-  const int timed = choice.timed_class(bytes);
-  const Schedule schedule = choice.schedule_for(bytes, timed);
+  const Schedule schedule = choice.schedule_for(bytes);
+  const int timed = channel.me() == 0 ? choice.timed_class(bytes, schedule) : -1;
   // A call's time, as local rank 0 times the schedules, leaves out its wait for the ranks to
   // arrive at the first step: that is the skew the calls before left, which one-shot calls,
   // ending without a synchronisation, pass on to whichever call comes next.
@@ -381,16 +381,23 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
     const uint64_t step = arrive_without_data(call);
     if (comm.all_in_arena(step) || (shared && !comm.any_in_arena(step))) {
       allreduce_claimed(call, step);
-      return;
-    }
-    restart(call);
-    if (shared) {
+    } else {
+      restart(call);
+      if (!shared) {
+        allreduce_in_node(call, one_shot);
+        return;
+      }
       allreduce_claimed(call, arrive_without_data(call));
-      return;
     }
+    // A call that went shared where its schedule was another (every rank's tensor in the
+    // arena), or ran twice, says nothing of its schedule's time.
+    if (shared && !call.checked && timed >= 0) {
+      choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
+    }
+    return;
   }
   allreduce_in_node(call, one_shot);
-  if (!call.checked && channel.me() == 0 && timed >= 0) {
+  if (!call.checked && timed >= 0) {
     choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
   }
 }

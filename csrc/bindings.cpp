@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <iterator>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "backend.h"
 #include "engine.h"
@@ -186,10 +189,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "always_one_shot_bytes",
           [](ShmEngine& e) { return e.comm().schedule().always_one_shot_bytes(); })
       .def_property_readonly("shared_now",
-                             [](ShmEngine& e) {
-                               return e.comm().schedule().shared_now() !=
-                                      ScheduleChoice::kSharedNone;
-                             })
+                             [](ShmEngine& e) { return e.comm().schedule().shared_now(); })
+      .def_property_readonly("shared_sizes",
+                             [](ShmEngine& e) { return e.comm().schedule().shared_sizes(); })
       .def_property(
           "threads", [](ShmEngine& e) { return e.comm().threads(); },
           [](ShmEngine& e, int threads) {
@@ -250,6 +252,47 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     out["fell_back"] = use.fell_back;
     return out;
   });
+
+  // Local rank 0's choice of schedule for `calls` all-reduces of `bytes` in a row, the n-th call
+  // of a schedule taking ms[schedule][n % len(ms[schedule])], on a node of 256 KiB and 4 MiB steps,
+  // a rank having waited for its CPU at call i as busy[i % len(busy)] says: the calls' schedules,
+  // each chosen as an engine's call chooses it (NodeComm::begin, allreduce, first_step). The
+  // choice, tested without timing a machine.
+  m.def(
+      "schedule_choices",
+      [](const std::string& policy, size_t bytes,
+         const std::map<std::string, std::vector<double>>& ms, int calls,
+         const std::vector<bool>& busy, bool reachable, int threads) {
+        TORCH_CHECK_VALUE(!busy.empty(), "busy needs a value");
+        static const char* const names[] = {"narrow", "wide", "one-shot", "shared"};
+        ScheduleChoice choice(ShmLayout{2, size_t(256) << 10, size_t(4) << 20}, size_t(32) << 10);
+        const auto* const found =
+            std::find(std::begin(kPolicyNames), std::end(kPolicyNames), policy);
+        TORCH_CHECK_VALUE(found != std::end(kPolicyNames), "no policy ", policy);
+        choice.set_policy(ScheduleChoice::Policy(found - std::begin(kPolicyNames)));
+        choice.set_threads(threads);
+        std::vector<std::string> ran;
+        std::map<std::string, size_t> runs;
+        for (int call = 0; call < calls; ++call) {
+          choice.begin_call();
+          CallMeta mine{};
+          choice.stamp(mine);
+          const ScheduleChoice::Schedule schedule = choice.schedule_for(bytes);
+          const int timed = choice.timed_class(bytes, schedule);
+          choice.agreed(mine);
+          choice.decide(reachable, busy[size_t(call) % busy.size()]);
+          ran.emplace_back(names[schedule]);
+          if (timed < 0) continue;
+          const auto took = ms.find(ran.back());
+          TORCH_CHECK_VALUE(took != ms.end() && !took->second.empty(), "no time for ", ran.back());
+          const double each = took->second[runs[ran.back()]++ % took->second.size()];
+          choice.time(timed, schedule, bytes, std::chrono::nanoseconds(int64_t(each * 1e6)));
+        }
+        return ran;
+      },
+      py::arg("policy"), py::arg("bytes"), py::arg("ms"), py::arg("calls"),
+      py::arg("busy") = std::vector<bool>{false}, py::arg("reachable") = true,
+      py::arg("threads") = 1);
 
   m.def(
       "make_shm_engine",

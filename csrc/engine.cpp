@@ -196,19 +196,20 @@ std::string ShmEngine::describe() const {
   if (!cross_node_) {
     const std::string one_shot = choice.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
-    if (choice.policy() == Policy::Shared || choice.policy() == Policy::Auto) {
+    if (choice.policy() != Policy::Narrow && choice.policy() != Policy::Wide) {
       const std::string& because = channel.unreachable_because();
+      const std::string now = choice.shared_sizes();
       out << ", shared over " << (choice.always_one_shot_bytes() >> 10) << " KiB";
       if (choice.policy() == Policy::Auto) {
         out << " while a rank waits for its CPU, over " << (ScheduleChoice::kThreadedBytes >> 10)
-            << " KiB with several threads per rank";
+            << " KiB with several threads per rank, and where timed faster";
+      } else if (choice.policy() == Policy::Timed) {
+        out << " where timed faster";
       }
-      const ScheduleChoice::Shared now = choice.shared_now();
       out << " (any thread of any rank sums any block for all, in their tensors; "
-          << (!because.empty()                      ? "off: " + because
-              : now == ScheduleChoice::kSharedNone  ? std::string("not now")
-              : now == ScheduleChoice::kSharedLarge ? std::string("now, the large calls")
-                                                    : std::string("now"))
+          << (!because.empty() ? "off: " + because
+              : now.empty()    ? "not now"
+                               : "now: " + now)
           << ")";
     }
   }

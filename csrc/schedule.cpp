@@ -38,7 +38,15 @@ int ScheduleChoice::size_class(size_t bytes) {
   return bytes < 2 ? 0 : std::min(kClasses - 1, 63 - __builtin_clzll(bytes - 1));
 }
 
-bool ScheduleChoice::may_run(int k, Schedule s) const {
+uint32_t ScheduleChoice::classes_over(size_t bytes) {
+  uint32_t mask = 0;
+  for (int k = 0; k < kClasses; ++k) {
+    if ((size_t(1) << k) >= bytes) mask |= uint32_t(1) << k;
+  }
+  return mask;
+}
+
+bool ScheduleChoice::fits(int k, Schedule s) const {
   const size_t lo = size_t(1) << k, hi = 2 * lo;  // class k is (lo, hi]
   switch (s) {
     case kNarrow:
@@ -47,21 +55,30 @@ bool ScheduleChoice::may_run(int k, Schedule s) const {
       return !spans_nodes_ && wide_bytes_ > block_bytes_ && lo >= block_bytes_;
     case kOneShot:
       return !spans_nodes_ && lo >= kOneShotAlways && hi <= one_shot_bytes();
+    case kShared:
+      return !spans_nodes_ && reachable_ && lo >= always_one_shot_bytes();
     default:
       return false;
   }
 }
 
-int ScheduleChoice::timed_class(size_t bytes) const {
-  const int k = size_class(bytes);
-  return policy() == Policy::Timed && bytes > kOneShotAlways &&
-                 (may_run(k, kWide) || may_run(k, kOneShot))
-             ? k
-             : -1;
+bool ScheduleChoice::may_run(int k, Schedule s) const {
+  switch (policy()) {
+    case Policy::Timed:
+      return fits(k, s);
+    case Policy::Auto:
+      return (s == kNarrow || s == kShared) && fits(k, s);
+    default:
+      return false;
+  }
 }
 
-ScheduleChoice::Schedule ScheduleChoice::scheduled(uint64_t mask, int k) {
-  return mask >> (32 + k) & 1 ? kOneShot : mask >> k & 1 ? kWide : kNarrow;
+int ScheduleChoice::timed_class(size_t bytes, Schedule ran) const {
+  const int k = size_class(bytes);
+  if (bytes <= always_one_shot_bytes() || (agreed_forced_ >> k & 1) || !may_run(k, ran)) return -1;
+  int candidates = 0;
+  for (int s = 0; s < kSchedules; ++s) candidates += may_run(k, Schedule(s)) ? 1 : 0;
+  return candidates > 1 ? k : -1;
 }
 
 // Local rank 0 decides for all, from its own times: after the first step the ranks work in step,
@@ -97,7 +114,14 @@ void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::
     ++t.timed[ran];
   }
 
-  Schedule next = ran;
+  // A choice applies from the call after the next (stamp, agree), so the call after a choice
+  // still runs the one before: until a run is long enough to judge, the choice stands.
+  const uint64_t wide = uint64_t(1) << k, one_shot = uint64_t(1) << (32 + k);
+  const uint32_t shared = uint32_t(1) << k;
+  Schedule next = chosen_shared_ & shared ? kShared
+                  : chosen_ & one_shot    ? kOneShot
+                  : chosen_ & wide        ? kWide
+                                          : kNarrow;
   if (t.run >= kTrialCalls) {
     const Schedule* untried =
         std::find_if(candidates, candidates + n, [&](Schedule s) { return t.timed[s] == 0; });
@@ -118,62 +142,88 @@ void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::
       }
     }
   }
-  const uint64_t wide = uint64_t(1) << k, one_shot = uint64_t(1) << (32 + k);
   chosen_ &= ~(wide | one_shot);
+  chosen_shared_ &= ~shared;
   if (next == kWide) chosen_ |= wide;
   if (next == kOneShot) chosen_ |= one_shot;
+  if (next == kShared) chosen_shared_ |= shared;
 }
 
-ScheduleChoice::Schedule ScheduleChoice::schedule_for(size_t bytes, int timed) const {
-  if (timed >= 0) return scheduled(agreed_, timed);
+ScheduleChoice::Schedule ScheduleChoice::schedule_for(size_t bytes) const {
   if (!spans_nodes_ && bytes <= always_one_shot_bytes()) return kOneShot;
-  if (agreed_shared_ == kSharedAll || (agreed_shared_ == kSharedLarge && bytes >= kThreadedBytes)) {
-    return kShared;
+  const int k = size_class(bytes);
+  // Every rank sets the same policy between calls; a mask agreed under another applies only
+  // where this one sends sizes to more than one schedule.
+  switch (policy()) {
+    case Policy::Narrow:
+      return kNarrow;
+    case Policy::Wide:
+      return fits(k, kWide) ? kWide : kNarrow;
+    case Policy::Timed:
+      if (agreed_ >> (32 + k) & 1) return kOneShot;
+      if (agreed_ >> k & 1) return kWide;
+      break;
+    default:
+      break;
   }
-  if (policy() == Policy::Wide && may_run(size_class(bytes), kWide)) return kWide;
-  return kNarrow;
+  return agreed_shared_ >> k & 1 ? kShared : kNarrow;
 }
 
 void ScheduleChoice::begin_call() {
   schedules_.store(agreed_, std::memory_order_relaxed);
-  shared_now_.store(Shared(agreed_shared_), std::memory_order_relaxed);
+  shared_now_.store(agreed_shared_, std::memory_order_relaxed);
 }
 
-void ScheduleChoice::stamp(CallMeta& mine) const {
+void ScheduleChoice::stamp(CallMeta& mine) {
+  // A class the times chose shared stays with them only while every rank reaches its peers.
   mine.schedules = chosen_;
-  mine.shared = chosen_shared_;
+  mine.shared = forced_shared_ | (reachable_ ? chosen_shared_ : 0);
+  stamped_forced_ = forced_shared_;
 }
 
-// Shared calls go always (Policy::Shared) or while the machine is busy (Policy::Auto: a rank
-// waited for its CPU within kBusyWindow), and large ones while local rank 0 has several threads
-// (Policy::Auto on an idle machine), and need every rank to reach every peer's memory,
-// which each rank finds out once all have attached (at the first call); local rank 0 learns the
-// verdicts at a later call's first step, after each rank published its own.
 void ScheduleChoice::agree(const CallMeta& zero, ShmChannel& channel) {
-  agreed_ = zero.schedules;
-  agreed_shared_ = zero.shared;
+  agreed(zero);
   if (spans_nodes_ || channel.size() == 1) return;
   if (!probed_) {
     channel.probe_peers();
     probed_ = true;
   }
-  if (channel.me() == 0) {
-    Shared wanted = kSharedNone;
-    if (policy() == Policy::Shared ||
-        (policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow))) {
-      wanted = kSharedAll;
-    } else if (policy() == Policy::Auto && threads_.load(std::memory_order_relaxed) > 1) {
-      wanted = kSharedLarge;
-    }
-    chosen_shared_ = channel.reachable() == ShmChannel::Reach::Yes ? wanted : kSharedNone;
+  if (channel.me() != 0) return;
+  decide(channel.reachable() == ShmChannel::Reach::Yes,
+         policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow));
+}
+
+void ScheduleChoice::agreed(const CallMeta& zero) {
+  agreed_ = zero.schedules;
+  agreed_shared_ = zero.shared;
+}
+
+// Every call over the one-shot sizes goes shared always (Policy::Shared) or while the machine is
+// busy (Policy::Auto), and those over kThreadedBytes while local rank 0 has several threads
+// (Policy::Auto); all need every rank to reach every peer's memory, which each rank finds out
+// once all have attached (at the first call); local rank 0 learns the verdicts at a later call's
+// first step, after each rank published its own.
+void ScheduleChoice::decide(bool reachable, bool busy) {
+  agreed_forced_ = stamped_forced_;
+  reachable_ = reachable;
+  uint32_t forced = 0;
+  if (policy() == Policy::Shared || (policy() == Policy::Auto && busy)) {
+    forced = classes_over(always_one_shot_bytes());
+  } else if (policy() == Policy::Auto && threads_.load(std::memory_order_relaxed) > 1) {
+    forced = classes_over(kThreadedBytes);
   }
+  forced_shared_ = reachable_ ? forced : 0;
 }
 
 std::string ScheduleChoice::wide_sizes() const {
   const Policy policy = this->policy();
-  if (!may_run(kClasses - 1, kWide) || policy == Policy::Narrow) return "";
+  if (!fits(kClasses - 1, kWide) || policy == Policy::Narrow) return "";
   if (policy == Policy::Wide) return "over " + std::to_string(block_bytes_ >> 10) + " KiB";
   return class_ranges(schedules_.load(std::memory_order_relaxed), 0);
+}
+
+std::string ScheduleChoice::shared_sizes() const {
+  return class_ranges(shared_now_.load(std::memory_order_relaxed), 0);
 }
 
 size_t ScheduleChoice::always_one_shot_bytes() const {

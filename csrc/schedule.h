@@ -22,19 +22,19 @@ namespace ddpx {
 class ScheduleChoice {
  public:
   // How the schedule is chosen. Narrow (the default before Auto) and Wide: two-phase steps of that
-  // width, one-shot up to one_shot_bytes. Timed: local rank 0 times the schedules per size class
-  // as the job runs and picks for all. Shared: messages over the one-shot sizes go shared once
-  // every rank can reach its peers' memory, narrow where they cannot. Auto (the default): shared
-  // while the machine is busy (a rank of the node waited for its CPU a tenth of the time within
-  // kBusyWindow), narrow otherwise, which an idle machine runs faster (docs/under-load.md).
+  // width, one-shot up to one_shot_bytes. Timed: local rank 0 times the schedules (shared among
+  // them once every rank can reach its peers' memory) per size class as the job runs and picks
+  // for all. Shared: messages over the one-shot sizes go shared once every rank can reach its
+  // peers' memory, narrow where they cannot. Auto (the default): shared while the machine is busy
+  // (a rank of the node waited for its CPU a tenth of the time within kBusyWindow), and idle,
+  // whichever of narrow and shared local rank 0 times faster per size class: which is faster
+  // idle depends on what the kernel's cross-process copies cost on the machine
+  // (docs/under-load.md).
   enum class Policy { Timed, Narrow, Wide, Shared, Auto };
-  // kShared is not timed: it comes after the timed ones, out of ScheduleTimes' arrays.
-  enum Schedule { kNarrow, kWide, kOneShot, kSchedules, kShared = kSchedules };
+  enum Schedule { kNarrow, kWide, kOneShot, kShared, kSchedules };
   static constexpr std::chrono::milliseconds kBusyWindow{1000};
-  // Which all-reduces over the one-shot sizes go shared: none, all, or those of at least
-  // kThreadedBytes, whose blocks every thread of every rank claims (workers.h): Auto's choice on
-  // an idle machine where local rank 0 has several threads.
-  enum Shared : uint32_t { kSharedNone, kSharedAll, kSharedLarge };
+  // All-reduces over this go shared, on an idle machine too, while local rank 0 has several
+  // threads (Auto): every thread of every rank claims their blocks (workers.h).
   static constexpr size_t kThreadedBytes = size_t(1) << 20;
   // Below this, one synchronisation costs more than any schedule saves: timed steps go one-shot.
   static constexpr size_t kOneShotAlways = size_t(32) << 10;
@@ -57,53 +57,65 @@ class ScheduleChoice {
   // Across nodes every all-reduce goes in narrow two-phase steps.
   void set_spans_nodes() { spans_nodes_ = true; }
 
-  // The size class an all-reduce of this many bytes (in the wire dtype) is timed in, or -1 when it
-  // is not timed; and the schedule it runs (timed: that class).
-  int timed_class(size_t bytes) const;
-  Schedule schedule_for(size_t bytes, int timed) const;
-  // Local rank 0 only: counts a call's time and chooses its class's schedule for the calls after.
+  // The schedule an all-reduce of this many bytes (in the wire dtype) runs, as agreed.
+  Schedule schedule_for(size_t bytes) const;
+  // Local rank 0 only: the size class of an all-reduce that ran `ran` whose time counts towards
+  // the choice (its class is timed and the schedule was the timed one, not one the policy or a
+  // busy machine imposed), else -1; and counting such a call's time, choosing its class's
+  // schedule for the calls after.
+  int timed_class(size_t bytes, Schedule ran) const;
   void time(int timed, Schedule ran, size_t bytes, ShmChannel::Clock::duration took);
 
   // At a call's start: what describe() reports is the schedule agreed for this call.
   void begin_call();
   // Puts local rank 0's choice for the calls after this one into its description of the call.
-  void stamp(CallMeta& mine) const;
+  void stamp(CallMeta& mine);
   // After a call's first step: every rank reads local rank 0's choice (zero: its description of
-  // the call), and local rank 0 decides whether the calls after go shared.
+  // the call), and local rank 0 decides which calls after go shared whatever the times say. The
+  // two parts: agreed (every rank), and decide (local rank 0), from whether every rank reaches
+  // its peers' memory and whether a rank waited for its CPU within kBusyWindow.
   void agree(const CallMeta& zero, ShmChannel& channel);
+  void agreed(const CallMeta& zero);
+  void decide(bool reachable, bool busy);
 
-  // For describe(): which sizes the next calls go wide and one-shot for, as "a-b KiB" ranges;
-  // which went shared at the last call (Shared); the sizes that go one-shot whatever else is
-  // chosen.
+  // For describe(): which sizes the next calls go wide, one-shot and shared for, as "a-b KiB"
+  // ranges; the sizes that go one-shot whatever else is chosen.
   std::string wide_sizes() const;
   std::string one_shot_sizes() const;
-  Shared shared_now() const { return shared_now_.load(std::memory_order_relaxed); }
+  std::string shared_sizes() const;
+  bool shared_now() const { return shared_now_.load(std::memory_order_relaxed) != 0; }
   size_t always_one_shot_bytes() const;
 
  private:
   // Size class k holds the all-reduces of (2^k, 2^(k+1)] bytes in the wire dtype; a schedule mask
-  // has bit k of its low word set when class k goes wide, of its high word when it goes one-shot,
-  // neither for narrow two-phase steps.
+  // has bit k of its low word set when class k goes wide, of its high word when it goes one-shot;
+  // a shared mask, bit k when class k goes shared; narrow two-phase steps where none is set.
   static constexpr int kClasses = 32;
   static int size_class(size_t bytes);
-  // Whether schedule s may serve every size of class k here; a class is timed when two can.
+  // The classes whose every size is over `bytes`.
+  static uint32_t classes_over(size_t bytes);
+  // Whether schedule s may serve every size of class k here; whether the policy times it there
+  // (a class is timed when two may).
+  bool fits(int k, Schedule s) const;
   bool may_run(int k, Schedule s) const;
-  static Schedule scheduled(uint64_t mask, int k);
 
   const size_t block_bytes_, wide_bytes_;
   bool spans_nodes_ = false;
   std::atomic<size_t> one_shot_bytes_;
   std::atomic<Policy> policy_{Policy::Auto};
   std::atomic<int> threads_{1};
-  // This call's, agreed at the previous call's first step; describe() reads it between calls.
+  // This call's, agreed at the previous call's first step; describe() reads them between calls.
   std::atomic<uint64_t> schedules_{0};
-  uint64_t agreed_ = 0;  // local rank 0's mask, read at this call's first step
-  uint64_t chosen_ = 0;  // local rank 0's own choice, published with each call
-  // Which all-reduces over the one-shot sizes go shared (Shared): local rank 0's choice, published
-  // with each call; the one agreed at this call's first step; this call's, for describe().
-  uint32_t chosen_shared_ = kSharedNone;
-  uint32_t agreed_shared_ = kSharedNone;
-  std::atomic<Shared> shared_now_{kSharedNone};
+  std::atomic<uint32_t> shared_now_{0};
+  uint64_t agreed_ = 0;         // local rank 0's schedule mask, read at this call's first step
+  uint32_t agreed_shared_ = 0;  // and its shared mask
+  // Local rank 0's own: the times' choice, published with each call; the classes the policy or a
+  // busy machine sends shared whatever the times say, as last decided, as published with this
+  // call, and as agreed for the next; whether every rank reaches its peers' memory.
+  uint64_t chosen_ = 0;
+  uint32_t chosen_shared_ = 0;
+  uint32_t forced_shared_ = 0, stamped_forced_ = 0, agreed_forced_ = 0;
+  bool reachable_ = false;
   bool probed_ = false;
   // Local rank 0's measurements per class: for each schedule, a moving average of the time per
   // byte since its last trial began, and how many calls it counted; which ran last, how many
