@@ -91,7 +91,7 @@ IN_CI = {
     "bash tools/arm_check.sh",
     'pip install -e ".[peers]"',
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
-    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 5 --bind core",
+    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --bind core",
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
     "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --load 1 --bind core",
 }
