@@ -390,8 +390,10 @@ SMALL = {"mount": ("/dev/shm has {} MiB free", ("--shm-size", "DDPX_BLOCK_KB")),
          "cap": ("DDPX_SHM_MB=1 lets a segment take 1 MiB of /dev/shm", ("unset DDPX_SHM_MB",))}
 
 
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("small", sorted(SMALL))
+# Each way of being small and each outcome once by default; the other two pairs -m slow.
+@pytest.mark.parametrize("small, strict", [("cap", False), ("mount", True),
+                                           pytest.param("cap", True, marks=pytest.mark.slow),
+                                           pytest.param("mount", False, marks=pytest.mark.slow)])
 def test_a_dev_shm_too_small_falls_back_or_fails_strictly(small, strict, tmp_path):
     env = {"DDPX_STRICT": "1"} if strict else {}
     if small == "mount":

@@ -109,9 +109,9 @@ def final_state(stdout: str) -> tuple[str, str]:
             re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "default", "fp16",
+@pytest.mark.parametrize("comm_hook", ["ddpx", "default",
                                        *(pytest.param(hook, marks=pytest.mark.slow)
-                                         for hook in ("ddpx-bf16", "ddpx-fp16"))])
+                                         for hook in ("fp16", "ddpx-bf16", "ddpx-fp16"))])
 def test_basic_two_processes(comm_hook):
     stdout = accelerate_launch("basic.py", "--comm_hook", comm_hook)
     check_training(stdout, 2, COMM_PATHS[comm_hook])
@@ -128,6 +128,7 @@ def test_basic_on_the_ddpx_backend(comm_hook):
     assert "backend ddpx," in stdout, stdout
 
 
+@pytest.mark.slow  # 8 s; 2 processes run by default
 def test_basic_four_processes():
     stdout = accelerate_launch("basic.py", num_processes=4)
     check_training(stdout, 4, COMM_PATHS["ddpx"])

@@ -175,7 +175,7 @@ def test_allreduce(tmp_path):
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
 
 
-@pytest.mark.parametrize("threads", ["2", "default"])
+@pytest.mark.parametrize("threads", ["2", pytest.param("default", marks=pytest.mark.slow)])
 def test_allreduce_gives_every_rank_its_threads_and_says_so(tmp_path, threads):
     options = "--sizes 2M --iters 3 --min_time 0.05 --warmup 1 --engines gloo,ddpx,copy".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--threads", threads)
@@ -268,6 +268,7 @@ def test_allreduce_quick_measures_what_it_promises_and_says_it_was_quick(tmp_pat
                for row in table if row[2] == "copy"), table
 
 
+@pytest.mark.slow  # a launch; test_quick_is_its_options_and_an_option_given_beside_it_wins
 def test_allreduce_quick_takes_the_options_given_beside_it(tmp_path):
     document, lines, full_run = run_quick(tmp_path, "--sizes", "4K", "--iters", "3")
 

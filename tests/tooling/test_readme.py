@@ -91,9 +91,9 @@ IN_CI = {
     "bash tools/arm_check.sh",
     'pip install -e ".[peers]"',
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
-    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --bind core",
+    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 1 --bind core",
     "ddpx-bench allreduce --world_sizes 2 --sizes 64K,1M,4M,25M,100M "
-    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 3 --load 1 --bind core",
+    "--engines gloo,ddpx,ddpx-arena,mpi,deepspeed,copy --runs 1 --load 1 --bind core",
 }
 # Commands a test runs as written, and its file in tests/ (test_arm.py's: `pytest -m slow`).
 IN_TESTS = {
