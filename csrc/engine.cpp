@@ -224,6 +224,11 @@ std::string ShmEngine::describe() const {
           << " KiB (" << (use.in_use >> 10) << " in use), " << comm.zero_copy_calls()
           << " zero-copy all-reduces";
       if (use.fell_back) out << ", some communication memory in ordinary memory";
+      const std::string unmapped = comm.unmapped_because();
+      if (!unmapped.empty()) {
+        out << ", a peer's chunk read through the kernel, as it could not be mapped (" << unmapped
+            << ")";
+      }
     }
   }
   if (!numa_.empty()) out << "; " << numa_;

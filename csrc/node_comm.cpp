@@ -277,7 +277,15 @@ char* NodeComm::peer_arena(int rank, uint64_t step) {
   if (!place.valid()) return nullptr;
   std::string why;
   char* chunk = Arena::process().peer_chunk(channel_.pid(rank), place, &why);
-  return chunk == nullptr ? nullptr : chunk + place.offset;
+  if (chunk != nullptr) return chunk + place.offset;
+  const std::lock_guard<std::mutex> lock(unmapped_mu_);
+  if (unmapped_because_.empty()) unmapped_because_ = channel_.rank_name(rank) + "'s: " + why;
+  return nullptr;
+}
+
+std::string NodeComm::unmapped_because() const {
+  const std::lock_guard<std::mutex> lock(unmapped_mu_);
+  return unmapped_because_;
 }
 
 void NodeComm::finish_reads(uint64_t step, const std::string& what) {

@@ -12,6 +12,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -138,8 +139,10 @@ class NodeComm {
   bool all_reach(uint64_t step) const;
   bool any_in_arena(uint64_t step) const;
   // Local rank `rank`'s posted arena bytes, mapped here; null where the rank posted none or its
-  // chunk cannot be mapped (then its posted address is read through the kernel).
+  // chunk cannot be mapped (then its posted address is read through the kernel, and
+  // unmapped_because() says why the first chunk that could not be mapped was not).
   char* peer_arena(int rank, uint64_t step);
+  std::string unmapped_because() const;
   // The end of a call that read peers' tensors where they lie: returns once every rank has
   // finished reading, so that none writes or frees a tensor a peer still reads.
   void finish_reads(uint64_t step, const std::string& what);
@@ -164,6 +167,8 @@ class NodeComm {
   size_t chunk_bytes_ = 0;
   std::vector<int> node_ranks_;
   std::vector<char> lane_buffer_;
+  mutable std::mutex unmapped_mu_;  // describe() reads it from the caller's thread
+  std::string unmapped_because_;
   AllreduceBuffers allreduce_buffers_;
   Workers workers_;
   std::vector<std::vector<char>> scratch_{1};

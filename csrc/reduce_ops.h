@@ -1,7 +1,7 @@
 // How ddpx runs torch.distributed's reduce ops: the floating-point sums (SUM, AVG, PREMUL_SUM) on
 // the engine's kernels, every input scaled first; the other ops, and every reduction of integer
 // and bool tensors, by gathering the ranks' data and combining it in rank order
-// (backend_steps.cpp).
+// (backend_tasks.cpp's reduce_gathered).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -21,8 +21,8 @@ namespace ddpx {
 
 class ScheduleChoice {
  public:
-  // How the schedule is chosen. Narrow (the default before Auto) and Wide: two-phase steps of that
-  // width, one-shot up to one_shot_bytes. Timed: local rank 0 times the schedules (shared among
+  // How the schedule is chosen. Narrow and Wide: two-phase steps of that width, one-shot up to
+  // one_shot_bytes. Timed: local rank 0 times the schedules (shared among
   // them once every rank can reach its peers' memory) per size class as the job runs and picks
   // for all. Shared: messages over the one-shot sizes go shared once every rank can reach its
   // peers' memory, narrow where they cannot. Auto (the default): shared while the machine is busy
