@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "backend_work.h"
+
 #include <exception>
 #include <vector>
 
@@ -40,23 +42,10 @@ void AbortWatch::give_up(const std::string& why) {
 }
 
 void AbortWatch::await(c10d::Work& work) {
-  struct Done {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-  };
-  auto done = std::make_shared<Done>();
-  work.getFuture()->addCallback([done](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(done->mu);
-    done->done = true;
-    done->cv.notify_all();
-  });
+  FutureDone done(*work.getFuture());
   bool watching = false;
   while (true) {
-    {
-      std::unique_lock<std::mutex> lock(done->mu);
-      if (done->cv.wait_for(lock, kPoll, [&] { return done->done; })) break;
-    }
+    if (done.wait_for(kPoll)) break;
     std::lock_guard<std::mutex> lock(mu_);
     if (!theirs_.empty()) {
       if (watching) --long_waits_;

@@ -2,11 +2,31 @@
 #include "backend_work.h"
 
 #include <algorithm>
+#include <string>
 #include <thread>
 
 namespace ddpx {
 
-bool EngineWork::wait(std::chrono::milliseconds /*timeout*/) {
+FutureDone::FutureDone(c10::ivalue::Future& future) {
+  future.addCallback([state = state_](c10::ivalue::Future&) {
+    const std::lock_guard<std::mutex> lock(state->mu);
+    state->done = true;
+    state->cv.notify_all();
+  });
+}
+
+bool FutureDone::wait_for(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  return state_->cv.wait_for(lock, timeout, [&] { return state_->done; });
+}
+
+bool EngineWork::wait(std::chrono::milliseconds timeout) {
+  if (timeout != kNoTimeout && !future_->completed() && !FutureDone(*future_).wait_for(timeout)) {
+    C10_THROW_ERROR(DistBackendError,
+                    "ddpx: the collective was not done within wait()'s timeout of " +
+                        std::to_string(timeout.count()) +
+                        " ms; it goes on (the group's timeout bounds it): wait() again for it");
+  }
   future_->waitAndThrow();
   return true;
 }

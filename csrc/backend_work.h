@@ -6,10 +6,29 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
+#include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 namespace ddpx {
+
+// A future's completion, awaited with a bound from any thread (the future's own wait has none).
+class FutureDone {
+ public:
+  explicit FutureDone(c10::ivalue::Future& future);
+  // True once the future has completed; false if `timeout` passed first.
+  bool wait_for(std::chrono::milliseconds timeout);
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+};
 
 // A collective's work: done when the engine's thread has run it; wait() raises its error.
 class EngineWork final : public c10d::Work {
@@ -23,7 +42,8 @@ class EngineWork final : public c10d::Work {
     return future_->hasError() ? future_->exception_ptr() : nullptr;
   }
   std::vector<at::Tensor> result() override { return future_->value().toTensorVector(); }
-  // The engine's waits end at the group's timeout, so a finite timeout here adds nothing.
+  // A timeout other than kNoTimeout raises DistBackendError once it passes with the call not
+  // done, as torch's Work does; the call goes on, bounded by the group's timeout.
   bool wait(std::chrono::milliseconds timeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 

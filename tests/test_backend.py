@@ -19,6 +19,7 @@ import re
 import tempfile
 import time
 from collections import Counter
+from datetime import timedelta
 
 import pytest
 import torch
@@ -877,3 +878,32 @@ def huge(rank, world):
 def test_collectives_over_2_gib_per_rank():
     # 2 ranks x (2 GiB of data + the engine's segment) fits the 24 GiB machine.
     run_ranks(huge, 2, backend="ddpx", timeout=900)
+
+
+def late_peer_wait(rank, world):
+    """Rank 1 joins an all-reduce 2 s late; rank 0 waits for its async call with a 0.3 s bound,
+    then without one. Returns (rank 0's error, the sum every rank got)."""
+    import ddpx  # noqa: F401
+
+    t = torch.full((1000,), float(rank + 1))
+    error = None
+    if rank == 1:
+        time.sleep(2)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0:
+        try:
+            work.wait(timeout=timedelta(seconds=0.3))
+        except dist.DistBackendError as e:
+            error = str(e)
+    work.wait()
+    return error, t[0].item(), bool((t == t[0]).all())
+
+
+def test_a_wait_with_a_timeout_raises_when_it_passes_and_the_call_goes_on():
+    # torch's Work.wait(timeout): an error once the timeout passes with the call not done,
+    # which goes on: the next wait() gets its result. The group's timeout (60 s) is far off.
+    (error, total, even), (late_error, late_total, _) = run_ranks(
+        late_peer_wait, 2, backend="ddpx", group_timeout=60)
+    assert error is not None and "not done within wait()'s timeout of 300 ms" in error, error
+    assert late_error is None
+    assert total == late_total == 3.0 and even
