@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import ddpx
 from ddpx_bench.common import WIRE, add_if_it_works, progress, random_input, same_on_all_ranks
 from ddpx_bench.mode import Mode, choice_list, count
-from ddpx_bench.report import format_ratio, pyplot
+from ddpx_bench.report import format_ratio, pyplot, save_figure
 
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 
@@ -147,8 +147,7 @@ def plot_accuracy(rows: list[dict], path: Path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("|error| vs float64 reference")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 class Accuracy(Mode):

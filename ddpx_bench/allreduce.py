@@ -100,6 +100,7 @@ from ddpx_bench.report import (
     format_spread,
     pyplot,
     runs_line,
+    save_figure,
     tcp_line,
 )
 
@@ -602,8 +603,7 @@ def plot_allreduce(rows: list[dict], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("ms per all-reduce (median, p10-p90)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 class Allreduce(Mode):

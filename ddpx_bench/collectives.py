@@ -70,6 +70,7 @@ from ddpx_bench.report import (
     format_served,
     pyplot,
     runs_line,
+    save_figure,
 )
 
 COLLECTIVES = (
@@ -509,8 +510,7 @@ def plot_collectives(rows: list[dict], path: Path) -> None:
         ax.legend()
     for ax in list(axes.flat)[len(collectives):]:
         ax.set_visible(False)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 class Collectives(Mode):

@@ -72,7 +72,15 @@ from ddpx_bench.common import (
     steps_in_turns,
 )
 from ddpx_bench.mode import Mode, choice_list, count, node_options, positive
-from ddpx_bench.report import PER_STEP, format_ms, format_ratio, format_served, pyplot, step_bars
+from ddpx_bench.report import (
+    PER_STEP,
+    format_ms,
+    format_ratio,
+    format_served,
+    pyplot,
+    save_figure,
+    step_bars,
+)
 
 PRECISIONS = ("fp32", "bf16")
 POLICIES = {
@@ -403,8 +411,7 @@ def plot_fsdp(rows: list[dict], path: Path) -> None:
         ax.set(ylabel="ms per training step (median, p10-p90)",
                title=f"FSDP2 step time, {precision}")
         ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 class Fsdp(Mode):

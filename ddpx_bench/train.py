@@ -62,6 +62,7 @@ from ddpx_bench.report import (
     format_spread,
     pyplot,
     runs_line,
+    save_figure,
     step_bars,
     tcp_line,
 )
@@ -345,8 +346,7 @@ def plot_train(rows: list[dict], path: Path) -> None:
     step_bars(ax, rows, "hook")
     ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
     ax.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
 
 
 class Train(Mode):
