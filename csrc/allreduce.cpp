@@ -377,27 +377,26 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   call.meta.address = reinterpret_cast<uint64_t>(data);
   call.meta.arena = comm.arena_place(data, size_t(numel) * blocks.data_size);
   const bool shared = schedule == ScheduleChoice::kShared;
+  bool ran_its_schedule = true;
   if (shared || call.meta.arena.valid()) {
     const uint64_t step = arrive_without_data(call);
     if (comm.all_in_arena(step) || (shared && !comm.any_in_arena(step))) {
       allreduce_claimed(call, step);
+      ran_its_schedule = shared;
     } else {
       restart(call);
-      if (!shared) {
+      if (shared) {
+        allreduce_claimed(call, arrive_without_data(call));
+      } else {
         allreduce_in_node(call, one_shot);
-        return;
       }
-      allreduce_claimed(call, arrive_without_data(call));
     }
-    // A call that went shared where its schedule was another (every rank's tensor in the
-    // arena), or ran twice, says nothing of its schedule's time.
-    if (shared && !call.checked && timed >= 0) {
-      choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
-    }
-    return;
+  } else {
+    allreduce_in_node(call, one_shot);
   }
-  allreduce_in_node(call, one_shot);
-  if (!call.checked && timed >= 0) {
+  // A call that went claimed where its schedule was another (every rank's tensor in the arena),
+  // or ran twice (checked), says nothing of its schedule's time.
+  if (ran_its_schedule && !call.checked && timed >= 0) {
     choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
   }
 }

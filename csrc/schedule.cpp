@@ -73,12 +73,19 @@ bool ScheduleChoice::may_run(int k, Schedule s) const {
   }
 }
 
+int ScheduleChoice::candidates(int k, Schedule* out) const {
+  int n = 0;
+  for (int s = 0; s < kSchedules; ++s) {
+    if (may_run(k, Schedule(s))) out[n++] = Schedule(s);
+  }
+  return n;
+}
+
 int ScheduleChoice::timed_class(size_t bytes, Schedule ran) const {
   const int k = size_class(bytes);
   if (bytes <= always_one_shot_bytes() || (agreed_forced_ >> k & 1) || !may_run(k, ran)) return -1;
-  int candidates = 0;
-  for (int s = 0; s < kSchedules; ++s) candidates += may_run(k, Schedule(s)) ? 1 : 0;
-  return candidates > 1 ? k : -1;
+  Schedule each[kSchedules];
+  return candidates(k, each) > 1 ? k : -1;
 }
 
 // Local rank 0 decides for all, from its own times: after the first step the ranks work in step,
@@ -90,20 +97,16 @@ int ScheduleChoice::timed_class(size_t bytes, Schedule ran) const {
 // take turns at a trial.
 void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::duration took) {
   ScheduleTimes& t = times_[k];
-  Schedule candidates[kSchedules];
-  int n = 0;
-  for (int s = 0; s < kSchedules; ++s) {
-    if (may_run(k, Schedule(s))) candidates[n++] = Schedule(s);
-  }
+  Schedule each[kSchedules];
+  const int n = candidates(k, each);
   auto fastest = [&] {
-    Schedule best = candidates[0];
+    Schedule best = each[0];
     for (int i = 1; i < n; ++i) {
-      if (t.ns_per_byte[candidates[i]] < t.ns_per_byte[best]) best = candidates[i];
+      if (t.ns_per_byte[each[i]] < t.ns_per_byte[best]) best = each[i];
     }
     return best;
   };
-  const bool explored =
-      std::all_of(candidates, candidates + n, [&](Schedule s) { return t.timed[s] > 0; });
+  const bool explored = std::all_of(each, each + n, [&](Schedule s) { return t.timed[s] > 0; });
   if (ran != t.last && explored && ran != fastest()) ++t.trials;
   t.run = ran == t.last ? t.run + 1 : 1;
   t.last = ran;
@@ -124,8 +127,8 @@ void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::
                                           : kNarrow;
   if (t.run >= kTrialCalls) {
     const Schedule* untried =
-        std::find_if(candidates, candidates + n, [&](Schedule s) { return t.timed[s] == 0; });
-    if (untried != candidates + n) {
+        std::find_if(each, each + n, [&](Schedule s) { return t.timed[s] == 0; });
+    if (untried != each + n) {
       next = *untried;
     } else {
       const Schedule best = fastest();
@@ -134,7 +137,7 @@ void ScheduleChoice::time(int k, Schedule ran, size_t bytes, ShmChannel::Clock::
         Schedule others[kSchedules];
         int m = 0;
         for (int i = 0; i < n; ++i) {
-          if (candidates[i] != best) others[m++] = candidates[i];
+          if (each[i] != best) others[m++] = each[i];
         }
         const Schedule due = others[t.trials % uint32_t(m)];
         const bool far = t.ns_per_byte[due] > kFarSlower * t.ns_per_byte[best];

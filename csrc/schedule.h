@@ -98,6 +98,8 @@ class ScheduleChoice {
   // (a class is timed when two may).
   bool fits(int k, Schedule s) const;
   bool may_run(int k, Schedule s) const;
+  // The schedules the policy times for class k, into out (kSchedules long); how many.
+  int candidates(int k, Schedule* out) const;
 
   const size_t block_bytes_, wide_bytes_;
   bool spans_nodes_ = false;

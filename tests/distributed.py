@@ -240,9 +240,10 @@ def _rank_context():
 
 
 class RankPool:
-    """``world_size`` spawned ranks, each in one process group for its whole life (gloo, or
-    NCCL with one GPU per rank; ``backend`` may be any init_process_group string, and "ddpx"
-    and "cpu:ddpx,..." import ddpx first, which registers it; ``group_timeout`` in seconds),
+    """``world_size`` rank processes (started as ``_rank_context`` says), each in one process
+    group for its whole life (gloo, or NCCL with one GPU per rank; ``backend`` may be any
+    init_process_group string, and "ddpx" and "cpu:ddpx,..." import ddpx first, which registers
+    it; ``group_timeout`` in seconds),
     that run function after function: ``run(fn, *args)`` runs fn(rank, world_size, *args) on
     every rank and returns the results by rank. The ranks start at the first run.
 
