@@ -15,22 +15,18 @@ ranks for what the engine does not serve. ``ddpx.backend_of(group)`` is the back
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroup, ProcessGroupGloo
 
-from ddpx import settings
+from ddpx._cross_node import cross_node_groups
 from ddpx._ext import extension
-from ddpx._setup import (
-    Meeting,
-    SharedMemoryUnavailable,
-    create_node_engine,
-    cross_node_groups,
-    ddpx_backend,
-    resolve_group,
-)
+from ddpx._groups import ddpx_backend, resolve_group
+from ddpx._meeting import Meeting
+from ddpx._process_wide import turn_on_ddp_comm_memory
+from ddpx._segment import SharedMemoryUnavailable
+from ddpx._setup import create_node_engine
 
 __all__ = ["NAME", "backend_of"]
 
@@ -69,18 +65,8 @@ def _create_backend(options, _backend_options):
         if rank == 0:
             logger.warning("ddpx: %s; the ddpx backend runs every collective on gloo", why_not)
     backend = extension().Backend(rank, size, timeout, gloo, engine, why_not)
-    _turn_on_comm_memory(backend, size)
+    turn_on_ddp_comm_memory(backend, size)
     return backend
-
-
-def _turn_on_comm_memory(backend, size: int) -> None:
-    """Makes DDP allocate its buckets through the backend, in ddpx's arena, unless the user chose
-    (DDP_DISABLE_COMM_MEM, DDPX_COMM_MEMORY=0). torch reads the variable for every process group,
-    NCCL's too, so ddpx sets it only where no GPU is visible."""
-    if (size > 1 and settings.flag("DDPX_COMM_MEMORY") and "DDP_DISABLE_COMM_MEM" not in os.environ
-            and backend.supports_tensor_alloc(torch.device("cpu"))
-            and not torch.cuda.is_available()):
-        os.environ["DDP_DISABLE_COMM_MEM"] = "0"
 
 
 def register() -> None:

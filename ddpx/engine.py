@@ -19,7 +19,9 @@ import torch
 from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension
-from ddpx._setup import create_cpu_engine, group_with_timeout, resolve_group
+from ddpx._groups import resolve_group
+from ddpx._setup import create_cpu_engine
+from ddpx._timeouts import group_with_timeout
 
 __all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "sparse_engine",
            "wire_dtype"]

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import settings
 from ddpx._ext import extension
-from ddpx._setup import ddpx_backend, resolve_group
+from ddpx._groups import ddpx_backend, resolve_group
 from ddpx.engine import checked_device, checked_timeout, engine_for, sparse_engine, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]

@@ -72,8 +72,8 @@ import torch
 import torch.distributed as dist
 
 import ddpx
+from ddpx._cross_node import cross_chunk_bytes
 from ddpx._ext import extension
-from ddpx._setup import cross_chunk_bytes
 from ddpx.engine import engine_for
 from ddpx_bench import costmodel
 from ddpx_bench.common import (

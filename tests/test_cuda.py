@@ -773,7 +773,7 @@ def _groups_for_timeouts(rank, world, device):
 
     import torch.distributed as dist
 
-    from ddpx._setup import group_with_timeout
+    from ddpx._timeouts import group_with_timeout
 
     world_group = dist.group.WORLD
     own = world_group._get_backend(torch.device(device)).options._timeout

@@ -217,12 +217,13 @@ def _set_up_alone(world: int):
     from datetime import timedelta
 
     from ddpx import _setup
+    from ddpx._meeting import Meeting, node_identity
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=1))
-    meeting = _setup.Meeting(store, "ddpx")
+    meeting = Meeting(store, "ddpx")
     for r in range(1, world):
-        meeting.put(f"node/{r}", _setup._node_identity())
+        meeting.put(f"node/{r}", node_identity())
     return _setup.create_node_engine(meeting, 0, list(range(world)), timedelta(seconds=1),
                                      lambda ranks: [])
 
@@ -232,15 +233,15 @@ def test_more_local_ranks_than_the_engine_takes_say_why_and_how_to_fix_it(strict
     """65 ranks on a node: the decision every rank takes alike from the node sizes, before any
     segment is made: fall back to the process group (rank 0 says so once, at the group's
     creation), or under DDPX_STRICT=1 raise."""
-    from ddpx import _setup
     from ddpx._ext import extension
+    from ddpx._segment import SharedMemoryUnavailable
 
     limit = extension().max_local_ranks
     assert limit == 64
     if strict:
         monkeypatch.setenv("DDPX_STRICT", "1")
     before = shm_segments()
-    with pytest.raises(RuntimeError if strict else _setup.SharedMemoryUnavailable) as raised:
+    with pytest.raises(RuntimeError if strict else SharedMemoryUnavailable) as raised:
         _set_up_alone(limit + 1)
     message = str(raised.value)
     assert f"{limit + 1} ranks of this group share a node" in message, message

@@ -1,4 +1,4 @@
-"""A rank's threads (csrc/workers.h, ddpx/_setup.py's _use_cpu_share): a large all-reduce's
+"""A rank's threads (csrc/workers.h, ddpx/_cpu_share.py): a large all-reduce's
 blocks claimed by several threads of every rank give the bits one thread gives, whatever each
 rank's count; the engine counts the calls its helpers took part in; the policy gives each rank
 its share of the CPUs it may run on, and lowers torch's intra-op threads to it where
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpx import _setup, backend_of
+from ddpx import _cpu_share, _process_wide, backend_of
 from ddpx._ext import extension
 
 from collective_checks import check, collecting, digest, expect_equal, make, quiet, rank_order_sum
@@ -101,19 +101,19 @@ class _Engine:
 
 
 def _share(monkeypatch, mine, peers, pool, omp=None, setting=None):
-    """What _use_cpu_share does for local rank 0 allowed ``mine``, its peers ``peers``, with
+    """What use_cpu_share does for local rank 0 allowed ``mine``, its peers ``peers``, with
     torch running ``pool`` threads: (engine threads, torch threads set or None)."""
     set_to = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: pool)
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    monkeypatch.setattr(_setup, "_THREADS", setting)
-    monkeypatch.setattr(_setup, "_told_threads", False)
+    monkeypatch.setattr(_cpu_share, "_THREADS", setting)
+    monkeypatch.setattr(_process_wide, "_told_threads", False)
     if omp is None:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     engine = _Engine()
-    _setup._use_cpu_share(engine, 0, [frozenset(cpus) for cpus in [mine, *peers]])
+    _cpu_share.use_cpu_share(engine, 0, [frozenset(cpus) for cpus in [mine, *peers]])
     return engine.threads, set_to[0] if set_to else None
 
 

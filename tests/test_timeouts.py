@@ -29,7 +29,7 @@ def group_timeouts(rank, world):
     """What ddpx reads as the timeout of groups made with each backend and timeout."""
     import torch.distributed as dist
 
-    from ddpx._setup import group_timeout
+    from ddpx._timeouts import group_timeout
 
     found = {}
     for backend in ("gloo", "ddpx"):
