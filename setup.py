@@ -31,6 +31,8 @@ except ImportError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEC = runpy.run_path(os.path.join(HERE, "ddpx", "_buildspec.py"))
+# csrc/'s folders, one per layer, installed with their sources for the loader's build at first use.
+CSRC_LAYERS = sorted(e.name for e in os.scandir(os.path.join(HERE, "csrc")) if e.is_dir())
 
 
 def _debug(flags):
@@ -78,10 +80,9 @@ def get_extensions():
 
 
 setup(
-    packages=["ddpx", "ddpx_bench", "ddpx.csrc", "ddpx.csrc.kernels", "ddpx.csrc.cuda"],
+    packages=["ddpx", "ddpx_bench", "ddpx.csrc", *(f"ddpx.csrc.{layer}" for layer in CSRC_LAYERS)],
     package_dir={"ddpx.csrc": "csrc"},
-    package_data={"ddpx.csrc": ["*.h", "*.cpp"], "ddpx.csrc.kernels": ["*.h", "*.cpp"],
-                  "ddpx.csrc.cuda": ["*.h", "*.cpp", "*.cu"]},
+    package_data={f"ddpx.csrc.{layer}": ["*.h", "*.cpp", "*.cu"] for layer in CSRC_LAYERS},
     ext_modules=get_extensions(),
     cmdclass={"build_ext": BuildReusingObjects},
 )

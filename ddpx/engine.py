@@ -151,7 +151,7 @@ def sparse_engine(group):
     """The engine of sparse COO tensors over ``group``: the process group's all-reduce (gloo sums
     sparse tensors; ddpx's engines reduce dense ones, and DDP's default sends sparse gradients the
     same way), uncompressed, made once per group. The C++ hook sends its sparse buckets there too
-    (csrc/fused_hook.h)."""
+    (csrc/torch_api/fused_hook.h)."""
     by_kind = _engines.setdefault(group, {})
     if "sparse" not in by_kind:
         by_kind["sparse"] = extension().make_process_group_engine(

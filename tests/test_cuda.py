@@ -497,7 +497,7 @@ def _premultiplied_sums(rank, world):
 @needs_gpu
 def test_nccl_premultiplied_sum_scales_like_torch():
     """The float32 path of more than one rank is NCCL's premultiplied sum with the options ddpx
-    builds (csrc/engine.cpp, scaled_allreduce); with one rank and a scale other than 1 NCCL
+    builds (csrc/engine/engine.cpp, scaled_allreduce); with one rank and a scale other than 1 NCCL
     applies it too, one float32 multiplication by float32(scale) per element: torch's bits."""
     [(describe, results)] = run_ranks(_premultiplied_sums, 1, backend="nccl", timeout=120)
     assert describe.startswith("ddpx CUDA engine (nccl): premultiplied-sum all-reduce"), describe

@@ -1,4 +1,4 @@
-"""NUMA placement of the node's segment (ddpx/_numa.py, csrc/numa.cpp): the topology read from
+"""NUMA placement of the node's segment (ddpx/_numa.py, csrc/node/numa.cpp): the topology read from
 the kernel's CPU lists, the plan (which local rank's slots go to which node), the words
 describe() says, and where the kernel put the pages, which get_mempolicy tells. This machine may
 have one NUMA node: a faked topology (DDPX_TEST_NUMA_NODES, one CPU list per node) splits its

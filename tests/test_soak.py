@@ -19,7 +19,7 @@ from distributed import run_ranks, shm_segments
 
 CPUS = len(os.sched_getaffinity(0))
 # A peer that exited is noticed at the sleeper's next check of its peers, every 100 ms
-# (csrc/shm_channel.cpp, kPoll); this leaves the busy machine a wide margin.
+# (csrc/node/shm_channel.cpp, kPoll); this leaves the busy machine a wide margin.
 DEAD_PEER_S = 10.0
 
 

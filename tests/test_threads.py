@@ -1,4 +1,4 @@
-"""A rank's threads (csrc/workers.h, ddpx/_cpu_share.py): a large all-reduce's
+"""A rank's threads (csrc/node/workers.h, ddpx/_cpu_share.py): a large all-reduce's
 blocks claimed by several threads of every rank give the bits one thread gives, whatever each
 rank's count; the engine counts the calls its helpers took part in; the policy gives each rank
 its share of the CPUs it may run on, and lowers torch's intra-op threads to it where

@@ -12,7 +12,7 @@ import torch
 from distributed import run_ranks
 
 CPUS = len(os.sched_getaffinity(0))
-# A sleeper checks its peers every 100 ms (csrc/waiter.h, kPoll), and a yield that gave
+# A sleeper checks its peers every 100 ms (csrc/node/waiter.h, kPoll), and a yield that gave
 # the CPU away bans yielding for at least 100 ms (kFirstYieldBan).
 POLL_S = BAN_S = 0.1
 # (elements, calls): one-shot single-block calls, and 25 MB two-phase calls of 100 blocks.

@@ -2,7 +2,7 @@
 # Arm (aarch64) checks on an x86-64 machine, without an Arm one:
 #  1. every C++ source of ddpx._C's CPU build compiles to an aarch64 object, against the headers of
 #     torch 2.11's aarch64 wheel; 2.11 is older than the torch built against on x86, so the
-#     pre-2.13 branches of csrc/torch_compat.h compile too. Nothing is linked against torch.
+#     pre-2.13 branches of csrc/common/torch_compat.h compile too. Nothing is linked against torch.
 #  2. tests/kernels_check.cpp, linked with the element kernels for aarch64, passes under
 #     qemu-aarch64: the portable kernels bit for bit against its scalar reference.
 #  3. the same program passes natively, which checks the AVX2 kernels too where the CPU has them.

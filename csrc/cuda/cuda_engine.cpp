@@ -23,8 +23,8 @@
 #include <string>
 #include <unordered_map>
 
-#include "../engine.h"
-#include "../torch_compat.h"
+#include "../common/torch_compat.h"
+#include "../engine/engine.h"
 #include "compress_kernels.h"
 
 namespace ddpx {

@@ -1,0 +1,179 @@
+// The node communicator: what every collective of ddpx's engine goes through, within a node and,
+// with a cross-node link, across nodes. It numbers the calls and the steps, checks each call
+// against the peers' (and the other nodes') before any data moves, lets a rank reject its input
+// so that every rank's call raises, and turns a failed transfer between nodes into an error on
+// every rank. The collectives themselves are free functions over it (collectives.h), one file
+// each; the all-reduce's choice of schedule is one object it holds (schedule.h).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../kernels/kernels.h"
+#include "../node/shm_channel.h"
+#include "../node/workers.h"
+#include "schedule.h"
+
+namespace ddpx {
+
+class CrossNode;  // cross_node.h
+
+// What a call's description names as its collective (CallMeta::op).
+enum class Collective : int32_t {
+  AllReduce,
+  AllGather,
+  Broadcast,
+  ReduceScatter,
+  AllToAll,
+  Barrier
+};
+
+// Results at least this large go out with streaming stores: they would not stay in the cache.
+constexpr size_t kStreamBytes = size_t(8) << 20;
+
+// What the all-reduce keeps from one call to the next.
+struct AllreduceBuffers {
+  uint64_t shared_blocks = 0;  // the blocks of the shared calls so far
+  // This rank's slices summed within the node, then across nodes; shared with the transfers.
+  std::shared_ptr<std::vector<char>> node_sums;
+};
+
+class NodeComm {
+ public:
+  // ranks[i] is the process-group rank of local rank i, used in error messages. The creator of the
+  // segment passes initialize=true before anyone else attaches.
+  NodeComm(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
+           std::vector<int> ranks, size_t one_shot_bytes, std::chrono::milliseconds timeout,
+           bool initialize);
+
+  // Makes the collectives hierarchical: each call is also checked against the other nodes' before
+  // any data crosses, and the all-reduce's slices cross in chunks of about chunk_bytes of the
+  // message. node_ranks: the group rank of each node's local ranks, node by node.
+  void set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes,
+                      std::vector<int> node_ranks);
+  bool spans_nodes() const { return cross_node_ != nullptr; }
+  CrossNode& cross_node() const { return *cross_node_; }
+  size_t chunk_bytes() const { return chunk_bytes_; }
+  const std::vector<int>& node_ranks() const { return node_ranks_; }
+  // The group: every node's ranks, this one's place among them.
+  int group_size() const;
+  int group_rank() const;
+
+  ShmChannel& channel() { return channel_; }
+  const ShmChannel& channel() const { return channel_; }
+  ScheduleChoice& schedule() { return schedule_; }
+  const ScheduleChoice& schedule() const { return schedule_; }
+  AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
+  // The threads that share a large call's blocks: this one and the helpers. Only between calls.
+  void set_threads(int threads);
+  int threads() const { return workers_.threads(); }
+  // How many threads a call that moves this many bytes runs on: the rank's from
+  // ScheduleChoice::kThreadedBytes, one below.
+  int threads_for(size_t bytes) const {
+    return bytes >= ScheduleChoice::kThreadedBytes ? threads() : 1;
+  }
+  // Runs task(0) .. task(threads - 1) on as many of the rank's threads (Workers::run), and counts
+  // the call as threaded where they were several.
+  void run_threads(int threads, const std::function<void(int)>& task);
+  // The calls so far that several of this rank's threads worked on.
+  uint64_t threaded_calls() const { return threaded_calls_.load(std::memory_order_relaxed); }
+  // Thread `thread`'s scratch, where a collective puts what it reads of a peer's tensor through the
+  // kernel (process_vm_readv).
+  std::vector<char>& scratch(int thread) { return scratch_[size_t(thread)]; }
+  // The collectives so far that read every peer's tensor where it lay in its arena.
+  uint64_t zero_copy_calls() const { return zero_copy_calls_.load(std::memory_order_relaxed); }
+  void count_zero_copy() { zero_copy_calls_.fetch_add(1, std::memory_order_relaxed); }
+  // Bounds the waits of the calls made until it is reset (zero: the engine's own timeout).
+  void set_call_timeout(std::chrono::milliseconds timeout) { channel_.set_call_timeout(timeout); }
+
+  // Starts a call: raises if an earlier one failed here or on a peer, and returns this rank's
+  // description of it, with local rank 0's choice of schedules for the calls after it.
+  // torch_dtype: the tensors' c10::ScalarType where the collective moves bytes.
+  CallMeta begin(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale, int root,
+                 int32_t torch_dtype = -1);
+  // begin, for a collective that runs on one node only.
+  CallMeta begin_local(Collective op, int64_t numel, int32_t dtype, double scale, int root,
+                       const std::string& what, int32_t torch_dtype = -1);
+  // The next synchronisation step of the node's channel.
+  uint64_t next_step() { return ++step_; }
+  // Starts the next step: fill writes this rank's block into its input slot, then every peer's is
+  // awaited; a call's first step also checks it (first_step).
+  uint64_t exchange(const CallMeta& mine, bool first, const std::function<void(char*)>& fill,
+                    const std::string& what);
+  // After a call's first step, which every rank posted its description at: every rank reads local
+  // rank 0's choice of schedules, then checks the call against the peers' and, across nodes,
+  // starts its trade with the other nodes (finish_node_check ends it). Raises on every rank where
+  // the ranks disagree.
+  void first_step(uint64_t step, const CallMeta& mine, const std::string& what);
+  // Across nodes: the end of the call's check with the other nodes, raising on every rank if any
+  // node found a problem (local_error: this node's) or the nodes disagree. Every rank trades once
+  // per call, so all stay in step whatever went wrong where; the trade overlaps the node's own
+  // work on the call.
+  void finish_node_check(const CallMeta& mine, const std::string& local_error,
+                         const std::string& what);
+  // A call checked within the node (a step with no data) and with the other nodes, before any data
+  // crosses: the nodes' transfers go only where every rank agreed.
+  CallMeta begin_checked_across_nodes(Collective op, int64_t numel, int32_t dtype, int32_t wire,
+                                      double scale, int root, int32_t torch_dtype,
+                                      const std::string& what);
+  // Runs a transfer between the nodes; its failure fails the engine, on every rank, as "the
+  // <kind> across nodes of <what> failed".
+  void across(const char* kind, const std::string& what, const std::function<void()>& transfer);
+  // What a collective other than the all-reduce trades across nodes, grown as needed.
+  char* lane_buffer(size_t bytes);
+
+  // Zero-copy (arena.h). Where [data, data + bytes) lies in this rank's arena, for a call to post:
+  // not valid across nodes, for no bytes, or before this rank has found it reaches every peer's
+  // memory (its probe, at its first call), so that what the ranks posted decides alike on all.
+  ArenaPlace arena_place(const void* data, size_t bytes) const;
+  // What the ranks posted at a call's first step, step: every rank's tensor in its arena (so every
+  // rank reaches every peer), or some; every rank reaching every peer.
+  bool all_in_arena(uint64_t step) const;
+  bool all_reach(uint64_t step) const;
+  bool any_in_arena(uint64_t step) const;
+  // Local rank `rank`'s posted arena bytes, mapped here; null where the rank posted none or its
+  // chunk cannot be mapped (then its posted address is read through the kernel, and
+  // unmapped_because() says why the first chunk that could not be mapped was not).
+  char* peer_arena(int rank, uint64_t step);
+  std::string unmapped_because() const;
+  // The end of a call that read peers' tensors where they lie: returns once every rank has
+  // finished reading, so that none writes or frees a tensor a peer still reads.
+  void finish_reads(uint64_t step, const std::string& what);
+
+  // Takes part in the next call without data: every rank's call raises, naming this rank and
+  // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
+  [[noreturn]] void reject(const std::string& reason, const std::string& what);
+
+ private:
+  static std::string describe_call(const CallMeta& m);
+  void check_peers_agree(const CallMeta& mine, const std::string& what);
+  // A call as the nodes trade it: the verdict (ok: the node's ranks agree), then the CallMeta.
+  static std::vector<int64_t> node_words(const CallMeta& m, bool ok);
+  void start_node_check(const CallMeta& mine, bool ok, const std::string& what);
+  [[noreturn]] void fail_node_check(const std::string& what, const std::exception& e);
+
+  ShmChannel channel_;
+  ScheduleChoice schedule_;
+  uint64_t step_ = 0;
+  uint64_t calls_ = 0;
+  std::shared_ptr<CrossNode> cross_node_;
+  size_t chunk_bytes_ = 0;
+  std::vector<int> node_ranks_;
+  std::vector<char> lane_buffer_;
+  mutable std::mutex unmapped_mu_;  // describe() reads it from the caller's thread
+  std::string unmapped_because_;
+  AllreduceBuffers allreduce_buffers_;
+  Workers workers_;
+  std::vector<std::vector<char>> scratch_{1};
+  std::atomic<uint64_t> threaded_calls_{0};
+  std::atomic<uint64_t> zero_copy_calls_{0};
+};
+
+}  // namespace ddpx

@@ -1,0 +1,211 @@
+// The reduce-scatter: on one node each step's input slot holds one part per destination rank, and
+// each rank sums its part over the ranks in rank order; across nodes the node first reduce-scatters
+// what each lane's ranks receive, the lanes trade those sums, and each rank adds its part over the
+// nodes in node order, rounding once.
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "../cross_node/cross_node.h"
+#include "collectives.h"
+
+namespace ddpx {
+namespace {
+
+// Sums out = the ranks' parts for this rank, each scaled by input_scale into wire, the sum scaled
+// by sum_scale into out_dtype. Returns false, having summed nothing, where a call's first step
+// finds that some ranks' inputs lie in their arenas: the ranks then run it again from the next
+// step.
+bool reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
+                            const void* const* ins, DType dtype, void* out, DType out_dtype,
+                            DType wire, int64_t count, double input_scale, double sum_scale,
+                            const std::string& what) {
+  ShmChannel& channel = comm.channel();
+  const int me = channel.me();
+  const Kernels& k = kernels();
+  const int n = channel.size();
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
+  // Each step's slot holds one part per destination rank, whole cache lines each.
+  const int64_t line = int64_t(64 / wire_size);
+  const int64_t part =
+      int64_t(channel.layout().block_bytes / (wire_size * size_t(n))) / line * line;
+  const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
+  const size_t out_size = dtype_size(out_dtype);
+  const Write write = size_t(count) * out_size >= kStreamBytes ? Write::Streaming : Write::Cached;
+  char* dst = static_cast<char*>(out);
+  const void* srcs[kMaxLocalRanks];
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t lo = s * part, todo = std::min(part, count - lo);
+    const uint64_t step = comm.exchange(
+        mine, first && s == 0,
+        [&](char* slot) {
+          if (todo <= 0) return;
+          for (int r = 0; r < n; ++r) {
+            k.convert(slot + size_t(r * part) * wire_size, wire,
+                      static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo,
+                      input_scale, Write::Cached);
+          }
+        },
+        what);
+    if (first && s == 0 && comm.any_in_arena(step)) return false;
+    if (todo <= 0) continue;
+    for (int r = 0; r < n; ++r) {
+      srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
+    }
+    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
+  }
+  return true;
+}
+
+// Every rank's input lies in its arena, its parts one after another: each rank sums its part of
+// every peer's input where it lies (converted into the wire first where the call compresses, as the
+// slots would hold it), in block-sized pieces that the rank's threads take in turn, then waits for
+// the peers to finish reading its own.
+void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* ins, DType dtype,
+                              void* out, DType wire, int64_t count, const SumRule& rule,
+                              const std::string& what) {
+  ShmChannel& channel = comm.channel();
+  const int n = channel.size(), me = channel.me();
+  const Kernels& k = kernels();
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
+  const size_t mine_at = size_t(me) * size_t(count) * size;  // this rank's part in every input
+  const char* bases[kMaxLocalRanks];
+  for (int r = 0; r < n; ++r) {
+    bases[r] = r == me ? static_cast<const char*>(ins[0]) : comm.peer_arena(r, step);
+  }
+  const bool converted = wire != dtype;
+  const int64_t per = std::max<int64_t>(1, int64_t(channel.layout().block_bytes / size));
+  const Write write = size_t(count) * size >= kStreamBytes ? Write::Streaming : Write::Cached;
+  std::atomic<int64_t> next{0};
+  comm.run_threads(comm.threads_for(size_t(count) * size * size_t(n)), [&](int thread) {
+    std::vector<char>& scratch = comm.scratch(thread);
+    scratch.resize(size_t(n) * size_t(per) * (size + (converted ? wire_size : 0)));
+    const void* srcs[kMaxLocalRanks];
+    for (int64_t lo; (lo = next.fetch_add(per, std::memory_order_relaxed)) < count;) {
+      const int64_t todo = std::min(per, count - lo);
+      const size_t at = mine_at + size_t(lo) * size;
+      for (int r = 0; r < n; ++r) {
+        const char* raw = bases[r] + at;
+        if (bases[r] == nullptr) {
+          char* copy = scratch.data() + size_t(r) * size_t(per) * size;
+          channel.read_peer(r, copy, channel.posted(r, step).address + at, size_t(todo) * size,
+                            what);
+          raw = copy;
+        }
+        srcs[r] = raw;
+        if (converted) {
+          char* wired =
+              scratch.data() + size_t(n) * size_t(per) * size + size_t(r) * size_t(per) * wire_size;
+          k.convert(wired, wire, raw, dtype, todo, rule.input_scale, Write::Cached);
+          srcs[r] = wired;
+        }
+      }
+      k.reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, srcs, n, wire, todo,
+               rule.sum_scale, write);
+    }
+  });
+  comm.finish_reads(step, what);
+  if (std::find(bases, bases + n, nullptr) == bases + n) comm.count_zero_copy();
+}
+
+// Whether parts ins[0..n) lie one after another, count elements each.
+bool one_after_another(const void* const* ins, int n, size_t part_bytes) {
+  for (int r = 1; r < n; ++r) {
+    if (static_cast<const char*>(ins[r]) != static_cast<const char*>(ins[0]) + r * part_bytes) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Local rank r gets the node's sums of the parts of rank r of every node, in the accumulation
+// dtype. In pieces (cross_piece_bytes), each trade started as soon as the node has summed it.
+void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* out, DType dtype,
+                                 DType wire, int64_t count, double scale, const std::string& what) {
+  const CallMeta mine =
+      comm.begin(Collective::ReduceScatter, count, int32_t(dtype), int32_t(wire), scale, 0);
+  const SumRule rule(dtype, wire, scale);
+  CrossNode& link = comm.cross_node();
+  const std::vector<int>& node_ranks = comm.node_ranks();
+  const int nodes = link.nodes(), ranks = comm.channel().size();
+  const DType acc = SumRule::accumulation(dtype);
+  const size_t size = dtype_size(dtype), acc_size = dtype_size(acc);
+  const int64_t piece =
+      std::max<int64_t>(1, int64_t(cross_piece_bytes(size_t(count) * acc_size) / acc_size));
+  // Piece [lo, lo + n) of every node's sums lies at nodes x lo, node by node; so do the sums
+  // the other nodes send back.
+  char* sums = comm.lane_buffer(2 * size_t(count) * acc_size * size_t(nodes));
+  char* received = sums + size_t(count) * acc_size * size_t(nodes);
+  std::vector<const void*> node_ins(static_cast<size_t>(ranks));
+  for (int64_t lo = 0; lo == 0 || lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    char* piece_sums = sums + size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      for (int r = 0; r < ranks; ++r) {
+        node_ins[size_t(r)] =
+            static_cast<const char*>(ins[node_ranks[size_t(node * ranks + r)]]) + size_t(lo) * size;
+      }
+      reduce_scatter_in_node(comm, mine, lo == 0 && node == 0, node_ins.data(), dtype,
+                             piece_sums + size_t(node) * size_t(n) * acc_size, acc, wire, n,
+                             rule.input_scale, 1.0, what);
+    }
+    if (lo == 0) comm.finish_node_check(mine, "", what);
+    if (n == 0) return;
+    comm.across("transfer", what, [&] {
+      link.start_all_to_all(piece_sums, size_t(n) * acc_size,
+                            received + size_t(lo) * acc_size * size_t(nodes));
+    });
+  }
+  const void* from_nodes[kMaxSources];
+  const int here = link.node();
+  for (int64_t lo = 0; lo < count; lo += piece) {
+    const int64_t n = std::min(piece, count - lo);
+    comm.across("transfer", what, [&] { link.finish_trade(); });
+    const size_t at = size_t(lo) * acc_size * size_t(nodes);
+    for (int node = 0; node < nodes; ++node) {
+      from_nodes[node] =
+          (node == here ? sums : received) + at + size_t(node) * size_t(n) * acc_size;
+    }
+    kernels().reduce(static_cast<char*>(out) + size_t(lo) * size, dtype, from_nodes, nodes, acc, n,
+                     rule.sum_scale, Write::Cached);
+  }
+}
+
+}  // namespace
+
+void reduce_scatter(NodeComm& comm, const void* const* ins, void* out, DType dtype, DType wire,
+                    int64_t count, double scale, const std::string& what) {
+  TORCH_CHECK_VALUE(count >= 0, "ddpx: negative element count");
+  if (comm.spans_nodes()) {
+    reduce_scatter_across_nodes(comm, ins, out, dtype, wire, count, scale, what);
+    return;
+  }
+  CallMeta mine =
+      comm.begin_local(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
+  mine.wire = int32_t(wire);
+  const SumRule rule(dtype, wire, scale);
+  const int n = comm.channel().size();
+  const size_t part_bytes = size_t(count) * dtype_size(dtype);
+  if (one_after_another(ins, n, part_bytes)) {
+    mine.address = reinterpret_cast<uint64_t>(ins[0]);
+    mine.arena = comm.arena_place(ins[0], size_t(n) * part_bytes);
+  }
+  bool first = true;
+  if (mine.arena.valid()) {
+    const uint64_t step = comm.exchange(mine, true, [](char*) {}, what);
+    if (comm.all_in_arena(step)) {
+      reduce_scatter_in_arenas(comm, step, ins, dtype, out, wire, count, rule, what);
+      return;
+    }
+    first = false;
+  }
+  auto run = [&](bool first_step) {
+    return reduce_scatter_in_node(comm, mine, first_step, ins, dtype, out, dtype, wire, count,
+                                  rule.input_scale, rule.sum_scale, what);
+  };
+  if (!run(first)) run(false);
+}
+
+}  // namespace ddpx

@@ -1,0 +1,38 @@
+// What a call asks an engine for, whether an engine can do it with the tensor it was given (the
+// one validator of the engines' all-reduce), and what the call's data travels in (the one wire
+// rule).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "../kernels/kernels.h"
+
+namespace ddpx {
+
+struct Request {
+  double scale = 1.0;                  // applied to every rank's input before the sum
+  std::optional<at::ScalarType> wire;  // dtype in transit; the tensor's own when empty
+  std::string what;                    // names the call in errors ("gradient bucket 3")
+};
+
+// The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.
+std::optional<DType> to_dtype(at::ScalarType t);
+
+// What the engines reduce for tensor: a complex tensor as its real and imaginary parts (a view of
+// twice the elements in the real dtype), any other tensor itself.
+at::Tensor as_real(const at::Tensor& tensor);
+
+// Why an engine for `device` tensors cannot reduce this tensor as requested, or "".
+std::string invalid_input(const at::Tensor& tensor, const Request& request, c10::DeviceType device);
+
+// The dtype a sum of `data` travels in between ranks and nodes, for every engine and entry point
+// (the hook, ddpx.all_reduce, the backend's sums): the compression dtype the call asked for, else
+// the data's own. Never wider than asked: a bfloat16 model's gradients travel as bfloat16, as on
+// DDP's own all-reduce, with the scale applied to each input as it enters the wire and the sum
+// accumulated in float32 (docs/design.md, "One wire rule", measures the error).
+at::ScalarType wire_dtype(at::ScalarType data, const Request& request);
+
+}  // namespace ddpx
