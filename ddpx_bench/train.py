@@ -9,9 +9,10 @@ About 3 minutes on 2 cores at the defaults.
     ddpx-bench train --world_sizes 2 --comm_hooks default,backend,backend-mem --params 2M
     ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
 
-In detail: DDP steps (forward, backward, SGD step) of ddpx.models.MLP with --params parameters on
---batch_size rows of random data per rank (or, with --model gpt, of ddpx.models.GPT on --batch_size
-sequences of random token ids, with its next-token loss), one model per --comm_hooks entry:
+In detail: DDP steps (forward, backward, SGD step) of ddpx_bench.models.MLP with --params
+parameters on --batch_size rows of random data per rank (or, with --model gpt, of
+ddpx_bench.models.GPT on --batch_size sequences of random token ids, with its next-token loss), one
+model per --comm_hooks entry:
 `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
 bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`,
 `ddpx-bf16` (ddpx.register_fused_hook), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
@@ -45,7 +46,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
 from ddpx._ext import extension
-from ddpx.models import GPT, MLP
 from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
@@ -56,6 +56,7 @@ from ddpx_bench.common import (
     steps_in_turns,
 )
 from ddpx_bench.mode import Mode, choice_list, count, node_options
+from ddpx_bench.models import GPT, MLP
 from ddpx_bench.report import (
     PER_STEP,
     format_ratio,
@@ -370,8 +371,9 @@ class Train(Mode):
             help="parameters of the MLP, with K/M suffixes (powers of 1000)",
         )
         parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
-                            help="mlp: ddpx.models.MLP; gpt: ddpx.models.GPT, GPT-2's blocks "
-                                 "(width 512, --batch_size sequences of 128 random tokens)")
+                            help="mlp: ddpx_bench.models.MLP; gpt: ddpx_bench.models.GPT, "
+                                 "GPT-2's blocks (width 512, --batch_size sequences of 128 "
+                                 "random tokens)")
         parser.add_argument("--batch_size", type=int, default=16)
         parser.add_argument("--steps", type=int, default=12, help="timed steps per hook")
         parser.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")

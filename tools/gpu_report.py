@@ -10,7 +10,7 @@ speed, on the first GPU: a device-to-device copy_ of 1 GiB of float32, then each
 ddpx on the same data (GB/s counting the bytes read plus the bytes written; the median of CUDA
 event timings; the ratio to the copy's GB/s, the most a pass over memory gets); ddpx.all_reduce
 and torch.distributed.all_reduce of that 1 GiB at world size 1 over NCCL (GB/s of the tensor's
-bytes); and DDP training steps of ddpx.models.MLP with 25M parameters at world size 1: DDP's
+bytes); and DDP training steps of ddpx_bench.models.MLP with 25M parameters at world size 1: DDP's
 default all-reduce, torch's bf16_compress_hook, ddpx's hook, ddpx's hook over a bf16 wire (median
 step ms, and each model's final parameters against the default model's, within ddpx-bench train's
 tolerance or the exit status is 1). Without a CUDA device it writes {"cuda": false, "reason": ...}
@@ -139,8 +139,8 @@ def train_speeds(device: torch.device, params: int = TRAIN_PARAMS
                  ) -> tuple[list[dict], dict, list[str]]:
     """DDP steps of each TRAIN_HOOKS model on `device` (the tests take the CPU), taking turns
     step by step: rows, hooks left out (with why), failures."""
-    from ddpx.models import MLP
     from ddpx_bench.common import slowest_rank_stats
+    from ddpx_bench.models import MLP
     from ddpx_bench.train import diffs_from_default, hooked_models, timed_steps
 
     torch.manual_seed(0)
@@ -225,9 +225,9 @@ def speed_text(report: dict) -> str:
         lines += _table(report["all_reduce"], [("call", "all_reduce", "")] + rates)
     if "train" in report:
         first = report["train"][0]
-        lines += ["", f"DDP step of ddpx.models.MLP, {first['params'] / 1e6:.2f}M parameters, "
-                      f"batch {first['batch_size']}, world size 1 over NCCL, {first['steps']} "
-                      "steps"]
+        lines += ["", f"DDP step of ddpx_bench.models.MLP, {first['params'] / 1e6:.2f}M "
+                      f"parameters, batch {first['batch_size']}, world size 1 over NCCL, "
+                      f"{first['steps']} steps"]
         lines += _table(report["train"], [
             ("hook", "hook", ""), ("median ms", "median_ms", ".2f"), ("p10", "p10_ms", ".2f"),
             ("p90", "p90_ms", ".2f"), ("x vs default", "x_vs_default", ".2f"),
