@@ -1,5 +1,5 @@
 """ddpx: a fast, exact DDP communication path (shared-memory all-reduce between the ranks of a
-node, fused scaling and compression, float32 accumulation) and the DDP examples that use it."""
+node, fused scaling and compression, float32 accumulation)."""
 
 import contextlib
 import importlib
@@ -27,10 +27,10 @@ _backend.register()
 
 # Submodules that need libraries ddpx does not depend on, imported when first named
 # (`ddpx.lightning.FusedHook` after `import ddpx`): how to install what each needs, and those
-# libraries, which each imports inside `_needs` so that `from ddpx.training import ...` says it too.
+# libraries, which each imports inside `_needs` so that `from ddpx.lightning import ...` says it
+# too.
 _OPTIONAL = {
     "lightning": ("pip install lightning", "lightning"),
-    "training": ('pip install "ddpx[examples]"', "accelerate", "numpy"),
     "transformers": ("pip install transformers", "transformers"),
 }
 

@@ -21,38 +21,26 @@ fail under torchrun or accelerate launch, the launcher's report quotes its error
 """
 
 import torch
-import torch.nn.functional as F
 
 from ddpx import record
-from ddpx.models import ToyModel
-from ddpx.training import (
-    attach_comm_hook,
-    make_accelerator,
-    make_parser,
-    random_batch,
-    run_summary,
-    shutdown,
-)
+
+from common import ToyModel, ToyTask, attach_comm_hook, make_accelerator, make_parser, shutdown
 
 
 def train(accelerator, args):
     model = ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    comm_path = attach_comm_hook(model, args.comm_hook)
-    accelerator.print(run_summary(accelerator))
-    accelerator.print(f"comm path: {comm_path}")
+    attach_comm_hook(accelerator, model, args.comm_hook)
 
+    task = ToyTask(accelerator, args)
     for step in range(args.steps):
-        inputs, labels = random_batch(args.seed, accelerator.process_index, step, args.batch_size)
-        loss = F.mse_loss(model(inputs.to(accelerator.device)), labels.to(accelerator.device))
+        loss = task.loss(model, step)
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-            accelerator.print(f"step {step:4d}  loss {mean_loss:.6f}")
-    accelerator.print(f"final loss {mean_loss:.6f}")
+        task.log(step, loss)
+    accelerator.print(f"final loss {task.last_loss:.6f}")
 
 
 @record  # so that the launcher's failure report quotes the first failed rank's error

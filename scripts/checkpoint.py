@@ -38,19 +38,11 @@ import shutil
 import tempfile
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import broadcast_object_list
 
 from ddpx import record
-from ddpx.models import ToyModel
-from ddpx.training import (
-    attach_comm_hook,
-    make_accelerator,
-    make_parser,
-    random_batch,
-    run_summary,
-    shutdown,
-)
+
+from common import ToyModel, ToyTask, attach_comm_hook, make_accelerator, make_parser, shutdown
 
 CHECKPOINT = "checkpoint.pt"
 ACCELERATE_STATE = "accelerate_state"
@@ -148,9 +140,7 @@ def train(accelerator, args):
     model = ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    comm_path = attach_comm_hook(model, args.comm_hook)
-    accelerator.print(run_summary(accelerator))
-    accelerator.print(f"comm path: {comm_path}")
+    attach_comm_hook(accelerator, model, args.comm_hook)
 
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
@@ -162,21 +152,18 @@ def train(accelerator, args):
     if every is None:
         every = max(1, args.steps // 2)
 
-    mean_loss = float("nan")  # stays nan when the checkpoint had no steps left to run
+    task = ToyTask(accelerator, args)  # its last loss stays nan if the checkpoint had no steps left
     for step in range(progress.step, args.steps):
-        inputs, labels = random_batch(args.seed, accelerator.process_index, step, args.batch_size)
-        loss = F.mse_loss(model(inputs.to(accelerator.device)), labels.to(accelerator.device))
+        loss = task.loss(model, step)
         optimizer.zero_grad()
         accelerator.backward(loss)
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-            accelerator.print(f"step {step:4d}  loss {mean_loss:.6f}")
+        task.log(step, loss)
         progress.step = step + 1
         if every and progress.step % every == 0:
             save_checkpoint(accelerator, model, optimizer, progress, args)
             reload_and_check(accelerator, model, optimizer, progress, args)
-    accelerator.print(f"final loss {mean_loss:.6f}")
+    accelerator.print(f"final loss {task.last_loss:.6f}")
     accelerator.print(f"parameter digest {parameter_digest(model)}")
 
 

@@ -28,19 +28,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import record
-from ddpx.models import ToyMpModel
-from ddpx.training import (
-    attach_comm_hook,
-    make_accelerator,
-    make_parser,
-    random_batch,
-    run_summary,
-    shutdown,
-)
+
+from common import ToyMpModel, ToyTask, attach_comm_hook, make_accelerator, make_parser, shutdown
 
 
 def named_devices(spec: str, distributed: bool) -> tuple[torch.device, torch.device]:
@@ -87,21 +79,17 @@ def train(accelerator, args):
     if dist.is_initialized():  # launched by torchrun or accelerate launch, one process too
         model = DistributedDataParallel(model, device_ids=None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    comm_path = attach_comm_hook(model, args.comm_hook)
-    accelerator.print(run_summary(accelerator))
-    accelerator.print(f"model split: net1 on {dev0}, net2 on {dev1} (rank 0)")
-    accelerator.print(f"comm path: {comm_path}")
+    attach_comm_hook(accelerator, model, args.comm_hook,
+                     f"model split: net1 on {dev0}, net2 on {dev1} (rank 0)")
 
+    task = ToyTask(accelerator, args)
     for step in range(args.steps):
-        inputs, labels = random_batch(args.seed, accelerator.process_index, step, args.batch_size)
-        loss = F.mse_loss(model(inputs), labels.to(dev1))
+        loss = task.loss(model, step)  # from net1's device, compared on net2's
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # not accelerator.backward: the model is not Accelerate's
         optimizer.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            mean_loss = accelerator.reduce(loss.detach(), "mean").item()
-            accelerator.print(f"step {step:4d}  loss {mean_loss:.6f}")
-    accelerator.print(f"final loss {mean_loss:.6f}")
+        task.log(step, loss)
+    accelerator.print(f"final loss {task.last_loss:.6f}")
 
 
 @record  # so that the launcher's failure report quotes the first failed rank's error

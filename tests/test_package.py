@@ -1,8 +1,8 @@
 """The installed package ddpx is the runtime: the benchmark and its network testbed are the package
 ddpx_bench beside it (the `ddpx-bench` command; tests/tooling/test_build.py checks the wheel), and
 a DDP job with ddpx's hook, ddpx.all_reduce and the ddpx backend runs where accelerate and numpy
-cannot be imported: only the examples' helpers, ddpx.training, need them, and say how to install
-them."""
+cannot be imported: only the example scripts (their shared scripts/common.py) need them, and say
+how to install them."""
 
 import pkgutil
 import re
@@ -14,6 +14,8 @@ import ddpx
 import ddpx_bench
 
 from distributed import torchrun
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def not_installed(*libraries: str) -> str:
@@ -62,14 +64,13 @@ def test_the_hook_and_the_backend_need_neither_accelerate_nor_numpy(tmp_path):
     assert stdout.count("MODULES []") == 2, stdout
 
 
-def test_the_examples_helpers_name_their_extra_when_a_library_is_missing():
-    """Both ways in: `from ddpx.training import ...`, as the scripts write it, and the attribute
-    after `import ddpx` (tests/test_trainers.py checks the trainers' modules the same way)."""
+def test_the_example_scripts_name_their_extra_when_a_library_is_missing():
+    """scripts/common.py, imported from beside it as the scripts do (tests/test_trainers.py
+    checks the trainers' modules the same way)."""
     for library in ("accelerate", "numpy"):
-        for use in ("from ddpx.training import make_parser", "import ddpx; ddpx.training"):
-            done = subprocess.run([sys.executable, "-c", not_installed(library) + use],
-                                  capture_output=True, text=True, timeout=120)
-            assert done.returncode == 1
-            assert done.stderr.splitlines()[-1] == (
-                f"ModuleNotFoundError: ddpx.training needs {library}, which is not installed: "
-                'pip install "ddpx[examples]"'), done.stderr
+        done = subprocess.run([sys.executable, "-c", not_installed(library) + "import common"],
+                              capture_output=True, text=True, timeout=120, cwd=SCRIPTS)
+        assert done.returncode == 1
+        assert done.stderr.splitlines()[-1] == (
+            f"ModuleNotFoundError: the example scripts need {library}, which is not installed: "
+            'pip install "ddpx[examples]"'), done.stderr

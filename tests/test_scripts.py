@@ -184,8 +184,9 @@ def test_a_flag_error_is_printed_even_when_the_printing_rank_parses_last(tmp_pat
     first here: rank 0 must still get to print the error, once."""
     program = tmp_path / "late_rank_0.py"
     program.write_text(textwrap.dedent(f"""
-        import os, pathlib, time
-        from ddpx.training import make_parser
+        import os, pathlib, sys, time
+        sys.path.insert(0, {str(SCRIPTS)!r})  # where a script finds its common.py
+        from common import make_parser
 
         parsing = pathlib.Path({str(tmp_path)!r}) / "rank 1 parses"
         if os.environ["LOCAL_RANK"] == "0":
@@ -269,14 +270,14 @@ def test_ranks_write_whole_lines_even_unbuffered():
     After make_accelerator's whole_lines, a line reaches the shared pipe only whole."""
     child = textwrap.dedent("""
         import sys
-        from ddpx.training import whole_lines
+        from common import whole_lines
         whole_lines(sys.stdout)
         print("parameter digest", end="")
         sys.stderr.write("wrote the text\\n")
         sys.stdin.readline()
         print()
     """)
-    with subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
+    with subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, cwd=SCRIPTS,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           env=dict(os.environ, PYTHONUNBUFFERED="1")) as process:
         try:

@@ -91,8 +91,7 @@ def assert_same_weights(result: dict, reference: dict) -> None:
 @pytest.mark.parametrize("module, package, install", [
     ("lightning", "lightning", "pip install lightning"),
     ("transformers", "transformers", "pip install transformers"),
-    ("training", "accelerate", 'pip install "ddpx[examples]"'),
-], ids=["lightning", "transformers", "training"])
+], ids=["lightning", "transformers"])
 def test_import_ddpx_is_enough_for_its_trainer_modules(module, package, install):
     """``ddpx.lightning`` and the others after ``import ddpx`` alone, as the README writes them;
     without the library they need, an error that says what to install."""

@@ -68,7 +68,6 @@ IN_JOBS = {
     "describe()": None,
     ".describe()": None,
     ".routes()": None,
-    "ddpx.training.make_accelerator(args)": None,
     "gc.collect()": None,
     "dist.destroy_process_group()": None,
     'init_process_group("ddpx")': None,
@@ -115,6 +114,7 @@ import gc
 
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpx
@@ -150,8 +150,7 @@ print(f"PATHS {state.describe()} | {backend.describe()} | {backend.routes()}")
 print(f"BUILD {ddpx.build_info()}")
 print(f"SCHEDULE {ddpx.engine.engine_for(group).schedule}")
 
-args = ddpx.training.make_parser("the README's API").parse_args([])
-accelerator = ddpx.training.make_accelerator(args)
+accelerator = Accelerator(cpu=True)  # takes the group made above
 print(f"ACCELERATE {accelerator.num_processes}")
 del model, state, accelerator
 gc.collect()

@@ -1,4 +1,7 @@
-"""What every example script needs: flags, the Accelerator, the comm hook, data, a clean exit."""
+"""What the example scripts share: the toy models and task, flags, the Accelerator, the comm
+hook, and a clean exit. Each script imports it from beside itself (scripts/), so it is not part of
+the installed ddpx: run the scripts from a checkout.
+"""
 
 import argparse
 import gc
@@ -10,22 +13,31 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpx
-from ddpx import _needs
 
-with _needs("training"):
+try:
     import numpy as np
     from accelerate import Accelerator, InitProcessGroupKwargs
+except ModuleNotFoundError as missing:
+    # ddpx itself needs neither: say which extra brings them, not only which module is missing.
+    if (missing.name or "").partition(".")[0] not in ("accelerate", "numpy"):
+        raise
+    raise ModuleNotFoundError(f"the example scripts need {missing.name}, which is not installed: "
+                              'pip install "ddpx[examples]"', name=missing.name) from None
 
 __all__ = [
+    "ToyModel",
+    "ToyMpModel",
+    "ToyTask",
     "attach_comm_hook",
     "make_accelerator",
     "make_parser",
     "random_batch",
-    "run_summary",
     "shutdown",
     "whole_lines",
 ]
@@ -34,6 +46,33 @@ COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
 # How long a rank that fails without printing waits to be stopped by its launcher (seconds).
 _SILENT_FAILURE_WAIT_S = 60
+
+
+class ToyModel(nn.Module):
+    """Linear(10, 10) -> ReLU -> Linear(10, 5): (batch, 10) -> (batch, 5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+class ToyMpModel(ToyModel):
+    """ToyModel split over two devices: net1 on `dev0`, net2 and the output on `dev1`."""
+
+    def __init__(self, dev0: torch.device | str, dev1: torch.device | str):
+        super().__init__()
+        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
+        self.net1.to(self.dev0)
+        self.net2.to(self.dev1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.net1(x.to(self.dev0)))
+        return self.net2(x.to(self.dev1))
 
 
 class _OncePerMachineParser(argparse.ArgumentParser):
@@ -135,18 +174,24 @@ def whole_lines(stream) -> None:
     stream.reconfigure(line_buffering=True, write_through=False)
 
 
-def run_summary(accelerator: Accelerator) -> str:
-    """One line: world size, backend and device of this run."""
-    backend = dist.get_backend() if dist.is_initialized() else "none"
-    return f"world size {accelerator.num_processes}, backend {backend}, device {accelerator.device}"
+def attach_comm_hook(accelerator: Accelerator, model: torch.nn.Module, name: str,
+                     *details: str) -> None:
+    """Register the comm hook `name` (one of COMM_HOOKS) on a DDP model, and print the run: its
+    world size, backend and device, the lines `details`, and the communication path in use.
 
-
-def attach_comm_hook(model: torch.nn.Module, name: str) -> str:
-    """Register the comm hook `name` (one of COMM_HOOKS) on a DDP model.
-
-    Returns a line naming the communication path in use. A model that is not wrapped in DDP (one
-    process: Accelerate does not wrap it) exchanges no gradients and gets no hook.
+    A model that is not wrapped in DDP (one process: Accelerate does not wrap it) exchanges no
+    gradients and gets no hook.
     """
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    accelerator.print(f"world size {accelerator.num_processes}, backend {backend}, "
+                      f"device {accelerator.device}")
+    for line in details:
+        accelerator.print(line)
+    accelerator.print(f"comm path: {_hooked(model, name)}")
+
+
+def _hooked(model: torch.nn.Module, name: str) -> str:
+    """Registers the comm hook `name` on `model`; returns what then exchanges its gradients."""
     if not isinstance(model, DistributedDataParallel):
         return "none (1 process: no DDP wrapper, no gradients to exchange)"
     if name.startswith("ddpx"):
@@ -186,6 +231,29 @@ def random_batch(
     rng = np.random.default_rng([seed, rank, step])
     inputs = torch.from_numpy(rng.standard_normal((batch_size, 10), dtype=np.float32))
     return inputs, inputs[:, :5] - 0.5 * inputs[:, 5:]
+
+
+class ToyTask:
+    """What the toy models learn: each rank's random_batch of a step, the MSE loss, and the loss
+    averaged over ranks, printed every --log_every steps and at the last one."""
+
+    def __init__(self, accelerator: Accelerator, args: argparse.Namespace):
+        self.accelerator, self.args = accelerator, args
+        self.last_loss = float("nan")  # the last one printed
+
+    def loss(self, model: torch.nn.Module, step: int) -> torch.Tensor:
+        """`model`'s loss on this rank's batch of `step`: the inputs go where the model's first
+        parameters are, the labels where its outputs come out (net2's device, for ToyMpModel)."""
+        args = self.args
+        inputs, labels = random_batch(args.seed, self.accelerator.process_index, step,
+                                      args.batch_size)
+        outputs = model(inputs.to(next(model.parameters()).device))
+        return F.mse_loss(outputs, labels.to(outputs.device))
+
+    def log(self, step: int, loss: torch.Tensor) -> None:
+        if step % self.args.log_every == 0 or step == self.args.steps - 1:
+            self.last_loss = self.accelerator.reduce(loss.detach(), "mean").item()
+            self.accelerator.print(f"step {step:4d}  loss {self.last_loss:.6f}")
 
 
 def shutdown(accelerator: Accelerator) -> None:
