@@ -28,8 +28,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ddpx
 from ddpx_bench.common import WIRE, add_if_it_works, progress, random_input, same_on_all_ranks
-from ddpx_bench.mode import Mode, choice_list, count
-from ddpx_bench.report import format_ratio, pyplot, save_figure
+from ddpx_bench.mode import Mode, choices_option, count
+from ddpx_bench.report import format_ratio, format_table, save_figure, world_size_panels
 
 METHODS = ("default", "torch-fp16", "torch-bf16", "ddpx", "ddpx-fp16", "ddpx-bf16")
 
@@ -110,46 +110,6 @@ ERRORS = (
 )
 
 
-def _accuracy_table(rows: list[dict]) -> list[str]:
-    header = (
-        f"{'world':>5}  {'method':<10}  {'wire':<4}  {'max |error|':>11}  {'mean |error|':>12}  "
-        f"{'max vs torch':>12}  {'mean vs torch':>13}  identical on ranks"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['world_size']:>5}  {row['method']:<10}  {row['wire']:<4}  "
-            f"{row['max_abs_error']:>11.3e}  {row['mean_abs_error']:>12.3e}  "
-            f"{format_ratio(row['max_vs_torch']):>12}  {format_ratio(row['mean_vs_torch']):>13}  "
-            f"{'yes' if row['ranks_identical'] else 'no'}"
-        )
-    lines.append(
-        f"{rows[0]['elements']} standard normal float32 elements per rank, averaged; "
-        "vs torch: smaller is more accurate"
-    )
-    return lines
-
-
-def plot_accuracy(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    world_sizes = sorted({row["world_size"] for row in rows})
-    figure, axes = plt.subplots(
-        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
-    )
-    for ax, world_size in zip(axes[0], world_sizes, strict=True):
-        cells = [row for row in rows if row["world_size"] == world_size]
-        x = range(len(cells))
-        for offset, stat in ((-0.2, "max"), (0.2, "mean")):
-            errors = [row[f"{stat}_abs_error"] for row in cells]
-            ax.bar([i + offset for i in x], errors, 0.4, label=f"{stat} |error|")
-        ax.set_xticks(x, [row["method"] for row in cells], rotation=30)
-        ax.set(yscale="log", title=f"{world_size} ranks")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend()
-    axes[0][0].set_ylabel("|error| vs float64 reference")
-    save_figure(figure, path)
-
-
 class Accuracy(Mode):
     name = "accuracy"
     help = "compare the averaged all-reduce's errors against a float64 reference"
@@ -157,27 +117,44 @@ class Accuracy(Mode):
     world_sizes = (4, 8)
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--methods",
-            type=choice_list(METHODS),
-            default=list(METHODS),
-            help=f"comma-separated, from {','.join(METHODS)} (default all)",
-        )
-        parser.add_argument(
-            "--size",
-            type=count,
-            default=count("1M"),
-            help="float32 elements per rank, with K/M suffixes (powers of 1000; default 1M)",
-        )
+        choices_option(parser, "--methods", METHODS)
+        parser.add_argument("--size", type=count, default="1M",
+                            help="float32 elements per rank, with K/M suffixes (powers of 1000; "
+                            "default 1M)")
 
     def run(self, args):
         return bench_accuracy(args)
 
-    def table(self, rows):
-        return _accuracy_table(rows)
+    def table(self, rows: list[dict]) -> list[str]:
+        lines = format_table([
+            ("world", ">5", lambda row: row["world_size"]),
+            ("method", "<10", lambda row: row["method"]),
+            ("wire", "<4", lambda row: row["wire"]),
+            ("max |error|", ">11", lambda row: f"{row['max_abs_error']:.3e}"),
+            ("mean |error|", ">12", lambda row: f"{row['mean_abs_error']:.3e}"),
+            ("max vs torch", ">12", lambda row: format_ratio(row["max_vs_torch"])),
+            ("mean vs torch", ">13", lambda row: format_ratio(row["mean_vs_torch"])),
+            ("identical on ranks", "", lambda row: "yes" if row["ranks_identical"] else "no"),
+        ], rows)
+        lines.append(
+            f"{rows[0]['elements']} standard normal float32 elements per rank, averaged; "
+            "vs torch: smaller is more accurate"
+        )
+        return lines
 
-    def plot(self, rows, path):
-        plot_accuracy(rows, path)
+    def plot(self, rows: list[dict], path: Path) -> None:
+        figure, panels = world_size_panels(rows, "|error| vs float64 reference")
+        for ax, world_size in panels:
+            cells = [row for row in rows if row["world_size"] == world_size]
+            x = range(len(cells))
+            for offset, stat in ((-0.2, "max"), (0.2, "mean")):
+                errors = [row[f"{stat}_abs_error"] for row in cells]
+                ax.bar([i + offset for i in x], errors, 0.4, label=f"{stat} |error|")
+            ax.set_xticks(x, [row["method"] for row in cells], rotation=30)
+            ax.set(yscale="log", title=f"{world_size} ranks")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend()
+        save_figure(figure, path)
 
 
 MODE = Accuracy()

@@ -82,6 +82,7 @@ from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     add_if_it_works,
+    engine_rows,
     environment,
     format_size,
     mpirun_path,
@@ -89,19 +90,19 @@ from ddpx_bench.common import (
     progress,
     random_input,
     say,
-    slowest_rank_stats,
     timed_in_turns,
 )
-from ddpx_bench.mode import Mode, choice_list, node_options, size_list, timing_options
+from ddpx_bench.mode import Mode, choices_option, node_options, size_list, timing_options
 from ddpx_bench.report import (
     PER_CALL,
     format_ms,
     format_ratio,
     format_spread,
-    pyplot,
+    format_table,
     runs_line,
     save_figure,
     tcp_line,
+    world_size_panels,
 )
 
 # ddpx with another schedule than its default (one-shot up to 32 KiB; above it shared blocks on
@@ -400,28 +401,16 @@ def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[d
     samples, calls, cpu = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
     if arena:
         arena.require_zero_copy(counts, f"timing {cell}")
-    rows = []
-    for name in engines:
-        stats = slowest_rank_stats(samples[name])
-        rows.append(
-            {
-                "world_size": dist.get_world_size(),
-                "nodes": nodes,
-                "size_bytes": size,
-                "engine": name,
-                **stats,
-                "gb_per_s": size / stats["median_ms"] / 1e6,
-                "calls_per_sample": calls[name],
-                "samples": args.iters,
-                **cpu[name],
-                **errors[name],
-            }
-        )
+    rows = engine_rows(
+        {"world_size": dist.get_world_size(), "nodes": nodes, "size_bytes": size}, samples,
+        lambda name: {"calls_per_sample": calls[name], "samples": args.iters, **cpu[name],
+                      **errors[name]})
     gloo = next((row["median_ms"] for row in rows if row["engine"] == "gloo"), None)
     peers = {row["engine"]: row["median_ms"] for row in rows if row["engine"] in PEERS}
     best_peer = min(peers, key=peers.get, default=None)
     floor = next((row["median_ms"] for row in rows if row["engine"] == "copy"), None)
     for row in rows:
+        row["gb_per_s"] = size / row["median_ms"] / 1e6
         # copy is the floor the engines are read against, not an all-reduce to rank with them.
         engine = row["engine"] != "copy"
         row["x_vs_gloo"] = gloo / row["median_ms"] if gloo and engine else None
@@ -502,71 +491,6 @@ def _wire_bytes(engine: str) -> int:
     return 2 if WIRE.get(engine) else 4
 
 
-def _allreduce_table(rows: list[dict]) -> list[str]:
-    runs = rows[0].get("runs")
-    inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
-    linked = any("link" in row for row in rows)
-    floored = any(row.get("x_floor") is not None for row in rows)
-    peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
-    # With gloo the only peer, "x vs best peer" would repeat "x vs gloo" under another name.
-    best_peer = peers not in ([], ["gloo"])
-    ranked, ranked_by = ("x_vs_best_peer", "peer") if best_peer else ("x_vs_gloo", "gloo")
-    header = (
-        (f"{'link':>7}  " if linked else "")
-        + f"{'world':>5}  {'size':>6}  {'engine':<10}  {'median ms':>10}  {'p10-p90 ms':>17}  "
-        f"{'GB/s':>7}  {'x vs gloo':>9}"
-        + (f"  {'x vs best peer':>14}" if best_peer else "")
-        + (f"  {'/ floor':>7}" if floored else "")
-        + (f"  {'bound ms':>9}  {'x bound':>7}  {'model ms':>9}  {'x model':>7}" if linked else "")
-        + (f"  {'inter-node MB/call':>18}" if inter_node else "")
-        + f"  {'CPU busy/si %':>13}"
-        + (f"  {'worst ms':>9}  {'worst x ' + ranked_by:>12}" if runs else "")
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        engine = "copy floor" if row["engine"] == "copy" else row["engine"]
-        lines.append(
-            (f"{row['link']:>7}  " if linked else "")
-            + f"{row['world_size']:>5}  {format_size(row['size_bytes']):>6}  {engine:<10}  "
-            f"{row['median_ms']:>10.3f}  {format_spread(row, 3):>17}  {row['gb_per_s']:>7.3g}  "
-            f"{format_ratio(row['x_vs_gloo']):>9}"
-            + (f"  {format_ratio(row.get('x_vs_best_peer')):>14}" if best_peer else "")
-            + (f"  {format_ratio(row.get('x_floor')):>7}" if floored else "")
-            + (f"  {format_ms(row.get('bound_ms')):>9}  {format_ratio(row.get('x_bound')):>7}  "
-               f"{format_ms(row.get('model_ms')):>9}  {format_ratio(row.get('x_model')):>7}"
-               if linked else "")
-            + (f"  {_megabytes(row):>18}" if inter_node else "")
-            + f"  {_cpu(row):>13}"
-            + (f"  {row['worst_median_ms']:>9.3f}  "
-               f"{format_ratio(row.get(f'worst_{ranked}')):>12}" if runs else "")
-        )
-    if linked:
-        lines.append(
-            "bound: each node sends 2(N-1)/N of the message in the engine's wire dtype at the "
-            "link's rate; x bound = median / bound (1.00 is the link's limit); model: "
-            "ddpx_bench.costmodel from the unshaped (none) row and the TCP rate, "
-            "x model = median / model"
-        )
-        lines.append(tcp_line(rows))
-    lines.append("CPU busy/si %: how busy the machine's cores were through the engine's samples, "
-                 "and the share of it in softirq (the kernel's network stack), from /proc/stat")
-    if runs:
-        lines.append(runs_line(runs, ranked.replace("_", " ")))
-    if best_peer:
-        lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the engine")
-    if any(row["engine"] == "copy" for row in rows):
-        lines.append("copy floor: not an all-reduce; every rank copying its tensor once at the "
-                     "same time, the least memory traffic an in-place all-reduce needs")
-    if floored:
-        lines.append("/ floor: the engine / the copy floor in the cell (below 1.00: less memory "
-                     "traffic, as where nothing is copied)")
-    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
-    if nodes:
-        split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())
-        lines.append(f"nodes: {split}; inter-node MB/call: sent across nodes, all ranks")
-    return lines
-
-
 def _megabytes(row: dict) -> str:
     sent = row.get("inter_node_bytes")
     return "-" if sent is None else f"{sent / 1e6:.3f}"
@@ -575,35 +499,6 @@ def _megabytes(row: dict) -> str:
 def _cpu(row: dict) -> str:
     busy, softirq = row.get("cpu_busy"), row.get("cpu_softirq")
     return "-" if busy is None else f"{100 * busy:.0f}/{100 * softirq:.0f}"
-
-
-def plot_allreduce(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    world_sizes = sorted({row["world_size"] for row in rows})
-    sizes = sorted({row["size_bytes"] for row in rows})
-    figure, axes = plt.subplots(
-        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
-    )
-    for ax, world_size in zip(axes[0], world_sizes, strict=True):
-        for engine in dict.fromkeys(row["engine"] for row in rows):
-            cells = [
-                row for row in rows if (row["world_size"], row["engine"]) == (world_size, engine)
-            ]
-            x = [row["size_bytes"] for row in cells]
-            style = "--" if engine == "copy" else "-"
-            marker = "s" if engine in PEERS else "o"  # the peers squares, ddpx's engines dots
-            ax.plot(x, [row["median_ms"] for row in cells], style, marker=marker, label=engine)
-            low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
-            ax.fill_between(x, low, high, alpha=0.2)
-        nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)
-        title = f"{world_size} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
-        ax.set(xscale="log", yscale="log", title=title, xlabel="message size")
-        ax.set_xticks(sizes, [format_size(size) for size in sizes])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    axes[0][0].set_ylabel("ms per all-reduce (median, p10-p90)")
-    save_figure(figure, path)
 
 
 class Allreduce(Mode):
@@ -622,16 +517,12 @@ class Allreduce(Mode):
         parser.add_argument(
             "--sizes",
             type=size_list,
-            default=size_list("4K,64K,1M,4M,25M,100M"),
+            default="4K,64K,1M,4M,25M,100M",
             help="comma-separated message sizes in bytes, K/M/G suffixes (default 4K,...,100M)",
         )
-        parser.add_argument(
-            "--engines",
-            type=choice_list(ENGINES),
-            default=[engine for engine in ENGINES if engine not in SCHEDULES],
-            help=f"comma-separated, from {','.join(ENGINES)} (default all but "
-            f"{', '.join(SCHEDULES)})",
-        )
+        choices_option(parser, "--engines", ENGINES,
+                       default=tuple(engine for engine in ENGINES if engine not in SCHEDULES),
+                       said=f"all but {', '.join(SCHEDULES)}")
         timing_options(parser)
         node_options(parser)
 
@@ -658,11 +549,92 @@ class Allreduce(Mode):
                 row["x_bound"] = row["median_ms"] / row["bound_ms"]
         add_model(rows)
 
-    def table(self, rows):
-        return _allreduce_table(rows)
+    def table(self, rows: list[dict]) -> list[str]:
+        runs = rows[0].get("runs")
+        inter_node = any(row.get("inter_node_bytes") is not None for row in rows)
+        linked = any("link" in row for row in rows)
+        floored = any(row.get("x_floor") is not None for row in rows)
+        peers = [peer for peer in PEERS if any(row["engine"] == peer for row in rows)]
+        # With gloo the only peer, "x vs best peer" would repeat "x vs gloo" under another name.
+        best_peer = peers not in ([], ["gloo"])
+        ranked, ranked_by = ("x_vs_best_peer", "peer") if best_peer else ("x_vs_gloo", "gloo")
+        link = [
+            ("bound ms", ">9", lambda row: format_ms(row.get("bound_ms"))),
+            ("x bound", ">7", lambda row: format_ratio(row.get("x_bound"))),
+            ("model ms", ">9", lambda row: format_ms(row.get("model_ms"))),
+            ("x model", ">7", lambda row: format_ratio(row.get("x_model"))),
+        ]
+        worst = [
+            ("worst ms", ">9", lambda row: f"{row['worst_median_ms']:.3f}"),
+            ("worst x " + ranked_by, ">12", lambda row: format_ratio(row.get(f"worst_{ranked}"))),
+        ]
+        lines = format_table([
+            *([("link", ">7", lambda row: row["link"])] if linked else []),
+            ("world", ">5", lambda row: row["world_size"]),
+            ("size", ">6", lambda row: format_size(row["size_bytes"])),
+            ("engine", "<10",
+             lambda row: "copy floor" if row["engine"] == "copy" else row["engine"]),
+            ("median ms", ">10", lambda row: f"{row['median_ms']:.3f}"),
+            ("p10-p90 ms", ">17", lambda row: format_spread(row, 3)),
+            ("GB/s", ">7", lambda row: f"{row['gb_per_s']:.3g}"),
+            ("x vs gloo", ">9", lambda row: format_ratio(row["x_vs_gloo"])),
+            *([("x vs best peer", ">14", lambda row: format_ratio(row.get("x_vs_best_peer")))]
+              if best_peer else []),
+            *([("/ floor", ">7", lambda row: format_ratio(row.get("x_floor")))] if floored else []),
+            *(link if linked else []),
+            *([("inter-node MB/call", ">18", _megabytes)] if inter_node else []),
+            ("CPU busy/si %", ">13", _cpu),
+            *(worst if runs else []),
+        ], rows)
+        if linked:
+            lines.append(
+                "bound: each node sends 2(N-1)/N of the message in the engine's wire dtype at the "
+                "link's rate; x bound = median / bound (1.00 is the link's limit); model: "
+                "ddpx_bench.costmodel from the unshaped (none) row and the TCP rate, "
+                "x model = median / model"
+            )
+            lines.append(tcp_line(rows))
+        lines.append("CPU busy/si %: how busy the machine's cores were through the engine's "
+                     "samples, and the share of it in softirq (the kernel's network stack), from "
+                     "/proc/stat")
+        if runs:
+            lines.append(runs_line(runs, ranked.replace("_", " ")))
+        if best_peer:
+            lines.append(f"x vs best peer: the fastest of {', '.join(peers)} in the cell / the "
+                         "engine")
+        if any(row["engine"] == "copy" for row in rows):
+            lines.append("copy floor: not an all-reduce; every rank copying its tensor once at the "
+                         "same time, the least memory traffic an in-place all-reduce needs")
+        if floored:
+            lines.append("/ floor: the engine / the copy floor in the cell (below 1.00: less "
+                         "memory traffic, as where nothing is copied)")
+        nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+        if nodes:
+            split = ", ".join(f"{size} ranks on {count}" for size, count in nodes.items())
+            lines.append(f"nodes: {split}; inter-node MB/call: sent across nodes, all ranks")
+        return lines
 
-    def plot(self, rows, path):
-        plot_allreduce(rows, path)
+    def plot(self, rows: list[dict], path: Path) -> None:
+        sizes = sorted({row["size_bytes"] for row in rows})
+        figure, panels = world_size_panels(rows, "ms per all-reduce (median, p10-p90)")
+        for ax, world_size in panels:
+            for engine in dict.fromkeys(row["engine"] for row in rows):
+                cells = [row for row in rows
+                         if (row["world_size"], row["engine"]) == (world_size, engine)]
+                x = [row["size_bytes"] for row in cells]
+                style = "--" if engine == "copy" else "-"
+                marker = "s" if engine in PEERS else "o"  # the peers squares, ddpx's engines dots
+                ax.plot(x, [row["median_ms"] for row in cells], style, marker=marker, label=engine)
+                low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+                ax.fill_between(x, low, high, alpha=0.2)
+            nodes = next(row.get("nodes", 1) for row in rows if row["world_size"] == world_size)
+            title = f"{world_size} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
+            ax.set(xscale="log", yscale="log", title=title, xlabel="message size")
+            ax.set_xticks(sizes, [format_size(size) for size in sizes])
+            ax.minorticks_off()
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        save_figure(figure, path)
 
 
 MODE = Allreduce()

@@ -52,6 +52,7 @@ from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     add_if_it_works,
     ddpx_group,
+    engine_rows,
     format_size,
     node_count,
     progress,
@@ -59,15 +60,15 @@ from ddpx_bench.common import (
     routes_since,
     same_on_all_ranks,
     served_by,
-    slowest_rank_stats,
     timed_in_turns,
 )
-from ddpx_bench.mode import Mode, choice_list, node_options, size_list, timing_options
+from ddpx_bench.mode import Mode, choices_option, node_options, size_list, timing_options
 from ddpx_bench.report import (
     PER_CALL,
     format_ms,
     format_ratio,
     format_served,
+    format_table,
     pyplot,
     runs_line,
     save_figure,
@@ -258,26 +259,17 @@ def _bench_cell(collective: str, size: int | None, engines: dict, backend, args,
         "scatter": numel // world_size * 4,
         "barrier": None,
     }.get(collective, size)
-    rows = []
-    for name in engines:
-        rows.append(
-            {
-                "world_size": world_size,
-                "nodes": nodes,
-                "collective": collective,
-                "size_bytes": size,
-                "output_bytes": output_bytes,
-                "engine": name,
-                **slowest_rank_stats(samples[name]),
-                "calls_per_sample": per_sample[name],
-                "samples": args.iters,
-                **checks[name],
-                # This rank's calls of the cell (check, sizing and timed) that ddpx's backend
-                # ran on its engine and through gloo: its routes() before and after.
-                "routes": routes if name == "ddpx" else None,
-                "served_by": served_by(routes) if name == "ddpx" else None,
-            }
-        )
+    cell_keys = {"world_size": world_size, "nodes": nodes, "collective": collective,
+                 "size_bytes": size, "output_bytes": output_bytes}
+    rows = engine_rows(cell_keys, samples, lambda name: {
+        "calls_per_sample": per_sample[name],
+        "samples": args.iters,
+        **checks[name],
+        # This rank's calls of the cell (check, sizing and timed) that ddpx's backend ran on its
+        # engine and through gloo: its routes() before and after.
+        "routes": routes if name == "ddpx" else None,
+        "served_by": served_by(routes) if name == "ddpx" else None,
+    })
     medians = {row["engine"]: row["median_ms"] for row in rows}
     for row in rows:
         row["x_vs_gloo"] = medians["gloo"] / row["median_ms"]
@@ -411,108 +403,6 @@ def bytes_across(row: dict) -> int | None:
     }.get(row["collective"])
 
 
-def _collectives_table(rows: list[dict]) -> list[str]:
-    """One line per cell (world size, collective, size): each engine's median side by side; over
-    several runs, ddpx's worst launch beside them."""
-    fused = "ddpx.all_reduce"
-    runs = rows[0].get("runs")
-    cells = {}
-    for row in rows:
-        key = (row.get("link"), row["world_size"], row["collective"], row["size_bytes"])
-        cells.setdefault(key, {})[row["engine"]] = row
-    linked = any(row.get("link") for row in rows)
-    header = (
-        (f"{'link':>7}  " if linked else "")
-        + f"{'ranks':>5}  {'collective':<22}  {'size':>6}  {'gloo ms':>9}  {'ddpx ms':>9}  "
-        f"{fused + ' ms':>18}  {'gloo/ddpx':>9}  {'ddpx/' + fused:>20}  "
-        + (f"{'bound ms':>9}  {'gloo/bound':>10}  {'ddpx/bound':>10}  " if linked else "")
-        + (f"{'worst ddpx ms':>13}  {'worst gloo/ddpx':>15}  " if runs else "")
-        + "ddpx served by"
-    )
-    lines = [header, "-" * len(header)]
-    for (link, world_size, collective, size), engines in cells.items():
-        gloo, ddpx, by_fused = (engines.get(name) for name in ("gloo", "ddpx", fused))
-        bound = (
-            f"{format_ms(gloo.get('bound_ms')):>9}  {format_ratio(gloo.get('x_bound')):>10}  "
-            f"{format_ratio(ddpx and ddpx.get('x_bound')):>10}  "
-        )
-        lines.append(
-            (f"{link:>7}  " if linked else "")
-            + f"{world_size:>5}  {collective:<22}  "
-            f"{'-' if size is None else format_size(size):>6}  "
-            f"{format_ms(gloo['median_ms']):>9}  {format_ms(ddpx and ddpx['median_ms']):>9}  "
-            f"{format_ms(by_fused and by_fused['median_ms']):>18}  "
-            f"{format_ratio(ddpx and ddpx['x_vs_gloo']):>9}  "
-            f"{format_ratio(by_fused and by_fused['x_vs_ddpx']):>20}  "
-            + (bound if linked else "")
-            + (f"{format_ms(ddpx and ddpx['worst_median_ms']):>13}  "
-               f"{format_ratio(ddpx and ddpx['worst_x_vs_gloo']):>15}  " if runs else "")
-            + format_served(ddpx)
-        )
-    lines += [
-        "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor output "
-        "world x size, reduce_scatter and reduce_scatter_tensor output size / world; broadcast "
-        "from rank 0; barrier: no data; send_recv: each rank sends its input to the next rank and "
-        "receives the previous rank's; gather: every input to rank 0; scatter: rank 0's input, "
-        "size / world to each rank",
-        *(LINK_LEGEND if linked else []),
-        "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
-        "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
-        "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, timed) "
-        "on its engine and through gloo",
-        *([runs_line(runs, "gloo/ddpx")] if runs else []),
-    ]
-    return lines
-
-
-def plot_collectives(rows: list[dict], path: Path) -> None:
-    """Median time against size, log-log, per collective: a line per engine and world size; the
-    barrier's against the world size."""
-    plt = pyplot()
-    collectives = list(dict.fromkeys(row["collective"] for row in rows))
-    columns = min(3, len(collectives))
-    grid_rows = -(-len(collectives) // columns)
-    lines = ("-", "--", ":", "-.")  # one per world size
-    figure, axes = plt.subplots(
-        grid_rows, columns, figsize=(6 * columns, 4.5 * grid_rows), squeeze=False
-    )
-    world_sizes = sorted({row["world_size"] for row in rows})
-    engines = list(dict.fromkeys(row["engine"] for row in rows))
-    for ax, collective in zip(axes.flat, collectives, strict=False):
-        barrier = collective == "barrier"
-        for color, engine in enumerate(engines):
-            series = world_sizes if not barrier else [None]
-            for line, world_size in enumerate(series):
-                cells = [
-                    row for row in rows
-                    if (row["collective"], row["engine"]) == (collective, engine)
-                    and world_size in (None, row["world_size"])
-                ]
-                if not cells:
-                    continue
-                x = [row["world_size" if barrier else "size_bytes"] for row in cells]
-                label = engine if barrier else f"{engine}, {world_size} ranks"
-                ax.plot(x, [row["median_ms"] for row in cells], lines[line % len(lines)],
-                        marker="o", color=f"C{color}", label=label)
-                low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
-                ax.fill_between(x, low, high, color=f"C{color}", alpha=0.2)
-        if barrier:
-            ax.set(yscale="log", title="barrier", xlabel="ranks")
-            ax.set_xticks(world_sizes)
-        else:
-            sizes = sorted({row["size_bytes"] for row in rows if row["collective"] == collective})
-            ax.set(xscale="log", yscale="log", title=collective,
-                   xlabel="bytes of each rank's input")
-            ax.set_xticks(sizes, [format_size(size) for size in sizes])
-            ax.minorticks_off()
-        ax.set_ylabel("ms per call (median, p10-p90)")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    for ax in list(axes.flat)[len(collectives):]:
-        ax.set_visible(False)
-    save_figure(figure, path)
-
-
 class Collectives(Mode):
     name = "collectives"
     help = "time the torch.distributed collectives on gloo and on ddpx's backend"
@@ -524,17 +414,11 @@ class Collectives(Mode):
         parser.add_argument(
             "--sizes",
             type=size_list,
-            default=size_list("64K,1M,25M"),
+            default="64K,1M,25M",
             help="comma-separated sizes of each rank's input in bytes, K/M/G suffixes "
             "(default 64K,1M,25M)",
         )
-        parser.add_argument(
-            "--collectives",
-            type=choice_list(COLLECTIVES),
-            default=list(DEFAULT_COLLECTIVES),
-            help=f"comma-separated, from {','.join(COLLECTIVES)} (default "
-            f"{','.join(DEFAULT_COLLECTIVES)})",
-        )
+        choices_option(parser, "--collectives", COLLECTIVES, default=DEFAULT_COLLECTIVES)
         timing_options(parser)
         node_options(parser)
 
@@ -552,11 +436,108 @@ class Collectives(Mode):
                 row["bound_ms"] = sent * 8 / bits_per_second(row["link"]) * 1e3
                 row["x_bound"] = row["median_ms"] / row["bound_ms"]
 
-    def table(self, rows):
-        return _collectives_table(rows)
+    def table(self, rows: list[dict]) -> list[str]:
+        """One line per cell (world size, collective, size): each engine's median side by side; over
+        several runs, ddpx's worst launch beside them."""
+        runs = rows[0].get("runs")
+        # A cell's engines by name: gloo, ddpx, FUSED (None where one did not run).
+        cells = {}
+        for row in rows:
+            key = (row.get("link"), row["world_size"], row["collective"], row["size_bytes"])
+            cells.setdefault(key, dict.fromkeys(("gloo", "ddpx", FUSED)))[row["engine"]] = row
+        linked = any(row.get("link") for row in rows)
+        bound = [
+            ("bound ms", ">9", lambda cell: format_ms(cell["gloo"].get("bound_ms"))),
+            ("gloo/bound", ">10", lambda cell: format_ratio(cell["gloo"].get("x_bound"))),
+            ("ddpx/bound", ">10",
+             lambda cell: format_ratio(cell["ddpx"] and cell["ddpx"].get("x_bound"))),
+        ]
+        worst = [
+            ("worst ddpx ms", ">13",
+             lambda cell: format_ms(cell["ddpx"] and cell["ddpx"]["worst_median_ms"])),
+            ("worst gloo/ddpx", ">15",
+             lambda cell: format_ratio(cell["ddpx"] and cell["ddpx"]["worst_x_vs_gloo"])),
+        ]
+        lines = format_table([
+            *([("link", ">7", lambda cell: cell["gloo"]["link"])] if linked else []),
+            ("ranks", ">5", lambda cell: cell["gloo"]["world_size"]),
+            ("collective", "<22", lambda cell: cell["gloo"]["collective"]),
+            ("size", ">6", lambda cell: "-" if cell["gloo"]["size_bytes"] is None
+             else format_size(cell["gloo"]["size_bytes"])),
+            ("gloo ms", ">9", lambda cell: format_ms(cell["gloo"]["median_ms"])),
+            ("ddpx ms", ">9", lambda cell: format_ms(cell["ddpx"] and cell["ddpx"]["median_ms"])),
+            (FUSED + " ms", ">18",
+             lambda cell: format_ms(cell[FUSED] and cell[FUSED]["median_ms"])),
+            ("gloo/ddpx", ">9",
+             lambda cell: format_ratio(cell["ddpx"] and cell["ddpx"]["x_vs_gloo"])),
+            ("ddpx/" + FUSED, ">20",
+             lambda cell: format_ratio(cell[FUSED] and cell[FUSED]["x_vs_ddpx"])),
+            *(bound if linked else []),
+            *(worst if runs else []),
+            ("ddpx served by", "", lambda cell: format_served(cell["ddpx"])),
+        ], list(cells.values()))
+        lines += [
+            "size: bytes of each rank's float32 input; all_gather and all_gather_into_tensor "
+            "output world x size, reduce_scatter and reduce_scatter_tensor output size / world; "
+            "broadcast from rank 0; barrier: no data; send_recv: each rank sends its input to the "
+            "next rank and receives the previous rank's; gather: every input to rank 0; scatter: "
+            "rank 0's input, size / world to each rank",
+            *(LINK_LEGEND if linked else []),
+            "ms: median per call; gloo/ddpx: gloo's median / ddpx's (above 1: ddpx is faster); "
+            "ddpx/ddpx.all_reduce: ddpx's / ddpx.all_reduce's (above 1: ddpx.all_reduce is faster)",
+            "ddpx served by: the ddpx backend's routes(), the calls of the cell (check, sizing, "
+            "timed) on its engine and through gloo",
+            *([runs_line(runs, "gloo/ddpx")] if runs else []),
+        ]
+        return lines
 
-    def plot(self, rows, path):
-        plot_collectives(rows, path)
+    def plot(self, rows: list[dict], path: Path) -> None:
+        """Median time against size, log-log, per collective: a line per engine and world size; the
+        barrier's against the world size."""
+        plt = pyplot()
+        collectives = list(dict.fromkeys(row["collective"] for row in rows))
+        columns = min(3, len(collectives))
+        grid_rows = -(-len(collectives) // columns)
+        lines = ("-", "--", ":", "-.")  # one per world size
+        figure, axes = plt.subplots(
+            grid_rows, columns, figsize=(6 * columns, 4.5 * grid_rows), squeeze=False
+        )
+        world_sizes = sorted({row["world_size"] for row in rows})
+        engines = list(dict.fromkeys(row["engine"] for row in rows))
+        for ax, collective in zip(axes.flat, collectives, strict=False):
+            barrier = collective == "barrier"
+            for color, engine in enumerate(engines):
+                series = world_sizes if not barrier else [None]
+                for line, world_size in enumerate(series):
+                    cells = [
+                        row for row in rows
+                        if (row["collective"], row["engine"]) == (collective, engine)
+                        and world_size in (None, row["world_size"])
+                    ]
+                    if not cells:
+                        continue
+                    x = [row["world_size" if barrier else "size_bytes"] for row in cells]
+                    label = engine if barrier else f"{engine}, {world_size} ranks"
+                    ax.plot(x, [row["median_ms"] for row in cells], lines[line % len(lines)],
+                            marker="o", color=f"C{color}", label=label)
+                    low, high = [row["p10_ms"] for row in cells], [row["p90_ms"] for row in cells]
+                    ax.fill_between(x, low, high, color=f"C{color}", alpha=0.2)
+            if barrier:
+                ax.set(yscale="log", title="barrier", xlabel="ranks")
+                ax.set_xticks(world_sizes)
+            else:
+                sizes = sorted({row["size_bytes"] for row in rows
+                                if row["collective"] == collective})
+                ax.set(xscale="log", yscale="log", title=collective,
+                       xlabel="bytes of each rank's input")
+                ax.set_xticks(sizes, [format_size(size) for size in sizes])
+                ax.minorticks_off()
+            ax.set_ylabel("ms per call (median, p10-p90)")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        for ax in list(axes.flat)[len(collectives):]:
+            ax.set_visible(False)
+        save_figure(figure, path)
 
 
 MODE = Collectives()

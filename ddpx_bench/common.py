@@ -234,6 +234,14 @@ def slowest_rank_stats(seconds: list[float]) -> dict:
     return {"median_ms": median.item(), "p10_ms": p10.item(), "p90_ms": p90.item()}
 
 
+def engine_rows(cell: dict, samples: dict, figures) -> list[dict]:
+    """A row per engine of a cell, in the order of `samples` (name -> this rank's samples in
+    seconds): the cell's keys, the engine's name, the slowest rank's statistics of its samples
+    (slowest_rank_stats) and `figures(name)`, what else the mode measured of that engine."""
+    return [{**cell, "engine": name, **slowest_rank_stats(seconds), **figures(name)}
+            for name, seconds in samples.items()]
+
+
 def same_on_all_ranks(tensors) -> bool:
     digest = hashlib.sha256()
     for p in tensors:

@@ -64,19 +64,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from ddpx._ext import extension
 from ddpx_bench.common import (
     ddpx_group,
+    engine_rows,
     node_count,
     progress,
     routes_since,
     served_by,
-    slowest_rank_stats,
     steps_in_turns,
 )
-from ddpx_bench.mode import Mode, choice_list, count, node_options, positive
+from ddpx_bench.mode import Mode, choices_option, count, node_options, positive
 from ddpx_bench.report import (
     PER_STEP,
     format_ms,
     format_ratio,
     format_served,
+    format_table,
     pyplot,
     save_figure,
     step_bars,
@@ -246,34 +247,29 @@ def _bench_cell(initial: Transformer, meshes: dict, backends: dict, batches: lis
     routes = {name: routes_since(served_before[name], backend.routes())
               for name, backend in backends.items()}
     no_check = dict.fromkeys(next(iter(checks.values()), {}))
-    rows = []
-    for name in models:
-        rows.append(
-            {
-                "world_size": world_size,
-                "nodes": nodes,
-                "precision": precision,
-                "engine": name,
-                # FSDP2's buffers from the group's backend, ddpx's arena (None: gloo's, default).
-                "comm_memory": COMM_MEMORY.get(name),
-                "params": sum(p.numel() for p in initial.parameters()),
-                "d_model": initial.d_model,
-                "heads": initial.heads,
-                "layers": len(initial.encoder.layers),
-                "batch_size": args.batch_size,
-                "seq_len": args.seq_len,
-                "warmup": args.warmup,
-                "steps": args.steps,
-                **slowest_rank_stats(samples[name]),
-                # A ddpx model's parameters against the gloo model's, after the warm-up.
-                **checks.get(name, no_check),
-                # This rank's calls of the cell (warm-up, check, timed steps) that the ddpx
-                # backend of the model's group ran on its engine and through gloo: its routes()
-                # before and after.
-                "routes": routes.get(name),
-                "served_by": served_by(routes[name]) if name in routes else None,
-            }
-        )
+    cell_keys = {
+        "world_size": world_size,
+        "nodes": nodes,
+        "precision": precision,
+        "params": sum(p.numel() for p in initial.parameters()),
+        "d_model": initial.d_model,
+        "heads": initial.heads,
+        "layers": len(initial.encoder.layers),
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
+    rows = engine_rows(cell_keys, samples, lambda name: {
+        # FSDP2's buffers from the group's backend, ddpx's arena (None: gloo's, default).
+        "comm_memory": COMM_MEMORY.get(name),
+        # A ddpx model's parameters against the gloo model's, after the warm-up.
+        **checks.get(name, no_check),
+        # This rank's calls of the cell (warm-up, check, timed steps) that the ddpx backend of the
+        # model's group ran on its engine and through gloo: its routes() before and after.
+        "routes": routes.get(name),
+        "served_by": served_by(routes[name]) if name in routes else None,
+    })
     gloo_ms = rows[0]["median_ms"]
     for row in rows:
         row["x_vs_gloo"] = gloo_ms / row["median_ms"]
@@ -348,44 +344,6 @@ def _check(initial: Transformer, models: dict, name: str, precision: str, warmup
     return check
 
 
-def _fsdp_table(rows: list[dict]) -> list[str]:
-    """One line per cell (world size, precision) and group: its median step against gloo's."""
-    header = (
-        f"{'ranks':>5}  {'precision':<9}  {'group':<8}  {'ms/step':>9}  {'x vs gloo':>9}  "
-        f"{'params vs gloo':<20}  served by"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        lines.append(
-            f"{row['world_size']:>5}  {row['precision']:<9}  {row['engine']:<8}  "
-            f"{format_ms(row['median_ms']):>9}  {format_ratio(row['x_vs_gloo']):>9}  "
-            f"{_agreement(row):<20}  {format_served(row)}"
-        )
-    first = rows[0]
-    lines += [
-        f"TransformerEncoder of {first['params']} parameters (d_model {first['d_model']}, "
-        f"{first['heads']} heads, feed-forward {4 * first['d_model']}, {first['layers']} layers, "
-        f"linear head), fully_shard per layer and root; batch {first['batch_size']} x seq "
-        f"{first['seq_len']} per rank; AdamW; {first['warmup']} warm-up + {first['steps']} timed "
-        "steps per model",
-        "groups: gloo, the world; ddpx and ddpx-mem, groups of the same ranks with ddpx's backend, "
-        "ddpx-mem's FSDP2 taking its all-gather and reduce-scatter buffers from ddpx's arena "
-        "(set_allocate_memory_from_process_group_for_comm)",
-        "ms/step: median step; x vs gloo: gloo's median / the group's (above 1: faster than "
-        "gloo); bf16: bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
-        "params vs gloo: the model's parameters after the warm-up against the gloo model's: "
-        "the same bits, or fp32: max |diff| (key biases apart; at most lr x warm-up steps / 10), "
-        "bf16: the cosine of the updates (at least 0.98)",
-        "served by: the group's ddpx backend's routes(), the calls of the cell (warm-up, check, "
-        "timed steps) on its engine and through gloo",
-    ]
-    nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
-    if nodes:
-        lines.append("nodes: " + ", ".join(f"{size} ranks on {count}"
-                                           for size, count in nodes.items()))
-    return lines
-
-
 def _agreement(row: dict | None) -> str:
     if row is None or row.get("check") is None:
         return "-"
@@ -396,41 +354,18 @@ def _agreement(row: dict | None) -> str:
     return f"max |diff| {row['max_abs_diff']:.2e}"
 
 
-def plot_fsdp(rows: list[dict], path: Path) -> None:
-    """The median step per world size, a bar per group, a panel per precision."""
-    plt = pyplot()
-    world_sizes = sorted({row["world_size"] for row in rows})
-    precisions = list(dict.fromkeys(row["precision"] for row in rows))
-    engines = list(dict.fromkeys(row["engine"] for row in rows))
-    figure, axes = plt.subplots(
-        1, len(precisions), figsize=((2 + 1.2 * len(engines) * len(world_sizes)) * len(precisions),
-                                     4.5), squeeze=False
-    )
-    for ax, precision in zip(axes[0], precisions, strict=True):
-        step_bars(ax, [row for row in rows if row["precision"] == precision], "engine")
-        ax.set(ylabel="ms per training step (median, p10-p90)",
-               title=f"FSDP2 step time, {precision}")
-        ax.legend()
-    save_figure(figure, path)
-
-
 class Fsdp(Mode):
     name = "fsdp"
     help = "time FSDP2 training steps on gloo and on ddpx's backend"
     measured = {"timing": PER_STEP}
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--precisions",
-            type=choice_list(PRECISIONS),
-            default=["fp32"],
-            help=f"comma-separated, from {','.join(PRECISIONS)} (default fp32: bf16 is slow on "
-            "CPUs without bfloat16 instructions)",
-        )
+        choices_option(parser, "--precisions", PRECISIONS, default=("fp32",),
+                       said="fp32: bf16 is slow on CPUs without bfloat16 instructions")
         parser.add_argument(
             "--params",
             type=count,
-            default=count("25M"),
+            default="25M",
             help="parameters of the transformer, with K/M suffixes (powers of 1000): d_model is "
             "the multiple of 8 x --heads that comes nearest (default 25M: d_model 512)",
         )
@@ -454,11 +389,55 @@ class Fsdp(Mode):
     def run(self, args):
         return bench_fsdp(args)
 
-    def table(self, rows):
-        return _fsdp_table(rows)
+    def table(self, rows: list[dict]) -> list[str]:
+        """One line per cell (world size, precision) and group: its median step against gloo's."""
+        lines = format_table([
+            ("ranks", ">5", lambda row: row["world_size"]),
+            ("precision", "<9", lambda row: row["precision"]),
+            ("group", "<8", lambda row: row["engine"]),
+            ("ms/step", ">9", lambda row: format_ms(row["median_ms"])),
+            ("x vs gloo", ">9", lambda row: format_ratio(row["x_vs_gloo"])),
+            ("params vs gloo", "<20", _agreement),
+            ("served by", "", format_served),
+        ], rows)
+        first = rows[0]
+        lines += [
+            f"TransformerEncoder of {first['params']} parameters (d_model {first['d_model']}, "
+            f"{first['heads']} heads, feed-forward {4 * first['d_model']}, {first['layers']} "
+            f"layers, linear head), fully_shard per layer and root; batch {first['batch_size']} x "
+            f"seq {first['seq_len']} per rank; AdamW; {first['warmup']} warm-up + "
+            f"{first['steps']} timed steps per model",
+            "groups: gloo, the world; ddpx and ddpx-mem, groups of the same ranks with ddpx's "
+            "backend, ddpx-mem's FSDP2 taking its all-gather and reduce-scatter buffers from "
+            "ddpx's arena (set_allocate_memory_from_process_group_for_comm)",
+            "ms/step: median step; x vs gloo: gloo's median / the group's (above 1: faster than "
+            "gloo); bf16: bfloat16 parameters and gradient reductions (MixedPrecisionPolicy)",
+            "params vs gloo: the model's parameters after the warm-up against the gloo model's: "
+            "the same bits, or fp32: max |diff| (key biases apart; at most lr x warm-up steps / "
+            "10), bf16: the cosine of the updates (at least 0.98)",
+            "served by: the group's ddpx backend's routes(), the calls of the cell (warm-up, "
+            "check, timed steps) on its engine and through gloo",
+        ]
+        nodes = {row["world_size"]: row["nodes"] for row in rows if row.get("nodes", 1) > 1}
+        if nodes:
+            lines.append("nodes: " + ", ".join(f"{size} ranks on {count}"
+                                               for size, count in nodes.items()))
+        return lines
 
-    def plot(self, rows, path):
-        plot_fsdp(rows, path)
+    def plot(self, rows: list[dict], path: Path) -> None:
+        """The median step per world size, a bar per group, a panel per precision."""
+        plt = pyplot()
+        world_sizes = sorted({row["world_size"] for row in rows})
+        precisions = list(dict.fromkeys(row["precision"] for row in rows))
+        engines = list(dict.fromkeys(row["engine"] for row in rows))
+        width = (2 + 1.2 * len(engines) * len(world_sizes)) * len(precisions)
+        figure, axes = plt.subplots(1, len(precisions), figsize=(width, 4.5), squeeze=False)
+        for ax, precision in zip(axes[0], precisions, strict=True):
+            step_bars(ax, [row for row in rows if row["precision"] == precision], "engine")
+            ax.set(ylabel="ms per training step (median, p10-p90)",
+                   title=f"FSDP2 step time, {precision}")
+            ax.legend()
+        save_figure(figure, path)
 
 
 MODE = Fsdp()

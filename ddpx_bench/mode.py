@@ -135,7 +135,19 @@ def int_list(text: str) -> list[int]:
     return [int(item) for item in text.split(",")]
 
 
-def choice_list(choices):
+def choices_option(parser: argparse.ArgumentParser, option: str, choices: tuple[str, ...],
+                   default: tuple[str, ...] | None = None, said: str | None = None) -> None:
+    """`option`, comma-separated items each one of `choices` (the engines, hooks, methods...
+    a mode compares); by default `default` (all of them), which --help words as `said` (default:
+    "all", or the default's items)."""
+    default = list(choices if default is None else default)
+    if said is None:
+        said = "all" if default == list(choices) else ",".join(default)
+    parser.add_argument(option, type=_choice_list(choices), default=default,
+                        help=f"comma-separated, from {','.join(choices)} (default {said})")
+
+
+def _choice_list(choices):
     """A type of comma-separated items, each one of `choices`."""
 
     def parse(text: str) -> list[str]:

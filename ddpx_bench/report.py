@@ -8,7 +8,7 @@ import os
 import platform
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -123,6 +123,17 @@ def _load_line(settings: dict) -> str:
     return f"load: {per_core} CPU-bound {plural} per core ({processes} in all); {binding}"
 
 
+def format_table(columns: Sequence[tuple[str, str, Callable]], rows: Sequence) -> list[str]:
+    """A mode's table: the headings, a rule and a line per item of `rows`, the columns two spaces
+    apart. A column is (heading, alignment and width as a format spec such as ">9", the function
+    that gives an item's cell): a heading and its cells share the width, so they stay aligned."""
+    header = "  ".join(f"{heading:{width}}" for heading, width, _ in columns)
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append("  ".join(f"{cell(row):{width}}" for _, width, cell in columns))
+    return lines
+
+
 def runs_line(runs: int, ratio: str) -> str:
     return (f"{runs} fresh launches: every figure is the median over them; worst ms: the slowest "
             f"launch's median, worst x: the launch with the smallest {ratio}")
@@ -182,6 +193,18 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def world_size_panels(rows: list[dict], ylabel: str):
+    """A figure of a panel per world size of `rows`, side by side on one y axis, which the first
+    panel labels `ylabel`: the figure, and (panel, world size) pairs in ascending world size."""
+    plt = pyplot()
+    world_sizes = sorted({row["world_size"] for row in rows})
+    figure, axes = plt.subplots(
+        1, len(world_sizes), figsize=(6 * len(world_sizes), 4.5), squeeze=False, sharey=True
+    )
+    axes[0][0].set_ylabel(ylabel)
+    return figure, list(zip(axes[0], world_sizes, strict=True))
 
 
 def save_figure(figure, path) -> None:

@@ -55,12 +55,13 @@ from ddpx_bench.common import (
     slowest_rank_stats,
     steps_in_turns,
 )
-from ddpx_bench.mode import Mode, choice_list, count, node_options
+from ddpx_bench.mode import Mode, choices_option, count, node_options
 from ddpx_bench.models import GPT, MLP
 from ddpx_bench.report import (
     PER_STEP,
     format_ratio,
     format_spread,
+    format_table,
     pyplot,
     runs_line,
     save_figure,
@@ -301,55 +302,6 @@ def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
-def _train_table(rows: list[dict]) -> list[str]:
-    runs = rows[0].get("runs")
-    header = (
-        f"{'world':>5}  {'hook':<11}  {'median ms':>10}  {'p10-p90 ms':>13}  {'x vs default':>12}  "
-        + (f"{'worst ms':>9}  {'worst x':>7}  " if runs else "")
-        + f"{'max |diff|':>10}  {'tolerance':>9}  path"
-    )
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        diff = (
-            f"{row['max_abs_diff']:>10.2e}  {row['tolerance']:>9.2e}"
-            if "max_abs_diff" in row
-            else f"{'':>21}"
-        )
-        lines.append(
-            f"{row['world_size']:>5}  {row['hook']:<11}  {row['median_ms']:>10.1f}  "
-            f"{format_spread(row, 1):>13}  {format_ratio(row['x_vs_default']):>12}  "
-            + (f"{row['worst_median_ms']:>9.1f}  {format_ratio(row.get('worst_x_vs_default')):>7}  "
-               if runs else "")
-            + f"{diff}  {row['describe']}"
-            + (f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
-               if "zero_copy_calls" in row else "")
-        )
-    lines.append(
-        f"{rows[0].get('model', 'MLP')} of {rows[0]['params']} parameters, batch "
-        f"{rows[0]['batch_size']} per rank, "
-        f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
-    )
-    if runs:
-        lines.append(runs_line(runs, "x vs default"))
-    nodes = rows[0].get("nodes", 1)
-    if nodes > 1:
-        lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
-    if any("link" in row for row in rows):
-        lines.append(tcp_line(rows))
-    return lines
-
-
-def plot_train(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    world_sizes = sorted({row["world_size"] for row in rows})
-    hooks = list(dict.fromkeys(row["hook"] for row in rows))
-    figure, ax = plt.subplots(figsize=(2 + 1.2 * len(hooks) * len(world_sizes), 4.5))
-    step_bars(ax, rows, "hook")
-    ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
-    ax.legend()
-    save_figure(figure, path)
-
-
 class Train(Mode):
     name = "train"
     help = "time DDP training steps"
@@ -358,18 +310,9 @@ class Train(Mode):
     bigger_is_better = ("x_vs_default",)
 
     def add_arguments(self, parser):
-        parser.add_argument(
-            "--comm_hooks",
-            type=choice_list(COMM_HOOKS),
-            default=list(COMM_HOOKS),
-            help=f"comma-separated, from {','.join(COMM_HOOKS)} (default all)",
-        )
-        parser.add_argument(
-            "--params",
-            type=count,
-            default=count("25M"),
-            help="parameters of the MLP, with K/M suffixes (powers of 1000)",
-        )
+        choices_option(parser, "--comm_hooks", COMM_HOOKS)
+        parser.add_argument("--params", type=count, default="25M",
+                            help="parameters of the MLP, with K/M suffixes (powers of 1000)")
         parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
                             help="mlp: ddpx_bench.models.MLP; gpt: ddpx_bench.models.GPT, "
                                  "GPT-2's blocks (width 512, --batch_size sequences of 128 "
@@ -383,11 +326,51 @@ class Train(Mode):
     def run(self, args):
         return bench_train(args)
 
-    def table(self, rows):
-        return _train_table(rows)
+    def table(self, rows: list[dict]) -> list[str]:
+        runs = rows[0].get("runs")
+        worst = [
+            ("worst ms", ">9", lambda row: f"{row['worst_median_ms']:.1f}"),
+            ("worst x", ">7", lambda row: format_ratio(row.get("worst_x_vs_default"))),
+        ]
+        lines = format_table([
+            ("world", ">5", lambda row: row["world_size"]),
+            ("hook", "<11", lambda row: row["hook"]),
+            ("median ms", ">10", lambda row: f"{row['median_ms']:.1f}"),
+            ("p10-p90 ms", ">13", lambda row: format_spread(row, 1)),
+            ("x vs default", ">12", lambda row: format_ratio(row["x_vs_default"])),
+            *(worst if runs else []),
+            # The floor, none, is not checked: no |diff| and no tolerance.
+            ("max |diff|", ">10",
+             lambda row: f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else ""),
+            ("tolerance", ">9",
+             lambda row: f"{row['tolerance']:.2e}" if "max_abs_diff" in row else ""),
+            ("path", "", lambda row: row["describe"] + (
+                f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
+                if "zero_copy_calls" in row else "")),
+        ], rows)
+        lines.append(
+            f"{rows[0].get('model', 'MLP')} of {rows[0]['params']} parameters, batch "
+            f"{rows[0]['batch_size']} per rank, "
+            f"{rows[0]['steps']} steps; max |diff|: final parameters vs default's"
+        )
+        if runs:
+            lines.append(runs_line(runs, "x vs default"))
+        nodes = rows[0].get("nodes", 1)
+        if nodes > 1:
+            lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
+        if any("link" in row for row in rows):
+            lines.append(tcp_line(rows))
+        return lines
 
-    def plot(self, rows, path):
-        plot_train(rows, path)
+    def plot(self, rows: list[dict], path: Path) -> None:
+        plt = pyplot()
+        world_sizes = sorted({row["world_size"] for row in rows})
+        hooks = list(dict.fromkeys(row["hook"] for row in rows))
+        figure, ax = plt.subplots(figsize=(2 + 1.2 * len(hooks) * len(world_sizes), 4.5))
+        step_bars(ax, rows, "hook")
+        ax.set(ylabel="ms per training step (median, p10-p90)", title="DDP step time by comm hook")
+        ax.legend()
+        save_figure(figure, path)
 
 
 MODE = Train()
