@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 39's measurements for a machine with more cores than this one's 2 (the GPU machine some
-# issues are lent has 16): 2, 4 and 8 ranks with cores / ranks threads each, 64 KB to 100 MB,
+# docs/benchmarks.md's "A rank's cores" on a machine with more than 2 cores (the GPU machine's
+# kind has 16): 2, 4 and 8 ranks with cores / ranks threads each, 64 KB to 100 MB,
 # every engine at those threads (gloo, ddpx, the arena, OpenMPI, DeepSpeed's OpenMP op, and the
 # copy floor on torch's threads), then the DDP step at 2 ranks. One JSON per run under OUT
 # (default cores_out/), the tables on stdout; about 6 minutes on 16 cores.
