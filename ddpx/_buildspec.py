@@ -23,6 +23,7 @@ CPP_SOURCES = (
     "collectives/schedule.cpp",
     "node/workers.cpp",
     "collectives/node_comm.cpp",
+    "collectives/opening.cpp",
     "collectives/allreduce.cpp",
     "collectives/allgather.cpp",
     "collectives/broadcast.cpp",

@@ -5,8 +5,8 @@
     group = dist.new_group(ranks, backend="ddpx")
 
 Every collective a job issues, not only DDP's buckets, then runs on the node's shared-memory
-engine (csrc/torch_api/backend.cpp says which go where), 16-bit floats summed in float32 and rounded once
-(gloo rounds after every addition). Each group
+engine (csrc/torch_api/backend.cpp says which go where), 16-bit floats summed in float32 and
+rounded once (gloo rounds after every addition). Each group
 holds its own engine, made collectively when the group is made, and an inner gloo of the same
 ranks for what the engine does not serve. ``ddpx.backend_of(group)`` is the backend:
 ``describe()`` says which path serves it, ``routes()`` counts each collective's calls by path.

@@ -1,5 +1,6 @@
-"""The arena (csrc/node/arena.h): CPU tensors in memfd shared memory that every local rank maps, and
-the all-reduces that read and write them where they lie (csrc/collectives/allreduce.cpp's zero-copy way).
+"""The arena (csrc/node/arena.h): CPU tensors in memfd shared memory that every local rank maps,
+and the collectives that read and write them where they lie (csrc/collectives/opening.h's Direct
+method).
 
 On real ranks of a ddpx world (2, 3 and 4 of them; 4 oversubscribes two cores): all-reduces of
 arena tensors (and of views into them, and on a subgroup) give the copy path's bits on the same

@@ -10,6 +10,7 @@
 #include "../cross_node/cross_node.h"
 #include "../node/arena.h"
 #include "collectives.h"
+#include "opening.h"
 
 namespace ddpx {
 namespace {
@@ -57,29 +58,13 @@ struct AllreduceCall {
   bool own_slice_direct;  // see allreduce
   Write out_write;
   const std::string& what;
-  Clock::duration skew{};  // the wait for the ranks to arrive at the first step
-  // The call's first step is behind it: it runs again from the next step, as restart() says.
-  bool checked = false;
 };
 
-// After a first step at which some ranks posted tensors in their arenas and others did not: every
-// rank runs the call again from the next step in the schedule agreed for it, posting no arena, so
-// none reads another's tensor where it lies (a rank may not reach its peers' memory).
-void restart(AllreduceCall& call) {
-  call.checked = true;
-  call.meta.arena = {};
-}
-
-// Puts block b into this rank's input slot (less its own slice, when read in place), waits for
-// every peer's, and at the first block checks the call against the peers' (and nodes'); returns
-// the block's step.
-uint64_t arrive(AllreduceCall& call, int64_t b) {
+// Puts block b into slot, in the wire dtype (less this rank's own slice, where read in place).
+void fill_block(const AllreduceCall& call, int64_t b, char* slot) {
   const Blocks& x = call.blocks;
   const Kernels& k = kernels();
-  const uint64_t step = call.comm.next_step();
   const int64_t count = x.elements(b);
-  if (b == 0 && !call.checked) call.channel.post(step, call.meta);
-  char* slot = call.channel.input_slot(x.me, step);
   if (count > 0 && call.own_slice_direct) {
     const auto [lo, hi] = x.slice(count);
     k.convert(slot, x.wire, x.at(b), x.dtype, lo, call.rule.input_scale, Write::Cached);
@@ -88,13 +73,25 @@ uint64_t arrive(AllreduceCall& call, int64_t b) {
   } else if (count > 0) {
     k.convert(slot, x.wire, x.at(b), x.dtype, count, call.rule.input_scale, Write::Cached);
   }
+}
+
+// Block b after the first: puts it into this rank's input slot, waits for every peer's, and
+// returns its step.
+uint64_t arrive(const AllreduceCall& call, int64_t b) {
+  const uint64_t step = call.comm.next_step();
+  fill_block(call, b, call.channel.input_slot(call.blocks.me, step));
   call.channel.publish(Phase::Arrive, step);
-  const auto waits_from = Clock::now();
   call.channel.wait_all(Phase::Arrive, step, call.what, call.wide);
-  if (b != 0 || call.checked) return step;
-  call.skew = Clock::now() - waits_from;
-  call.comm.first_step(step, call.meta, call.what);
   return step;
+}
+
+// The call's first step (opening.h), with block 0 in this rank's slot where the slots carry it.
+Opening open_allreduce(AllreduceCall& call, const OpenRule& rule) {
+  const Blocks& x = call.blocks;
+  const void* data = call.comm.spans_nodes() ? nullptr : x.data;
+  return open_call(
+      call.comm, call.meta, data, size_t(x.numel) * x.data_size, rule,
+      [&](char* slot) { fill_block(call, 0, slot); }, call.what);
 }
 
 // Sums this rank's slice [lo, hi) of block b over the ranks into out, in the accumulation dtype,
@@ -125,28 +122,11 @@ size_t shared_block_bytes(const ShmLayout& layout, size_t bytes) {
   return std::min(layout.block_bytes, std::max(kMinSharedBlock, share));
 }
 
-// Where each rank's tensor lies as this rank reaches it: its own, a peer's arena chunk mapped here
-// (arena.h), or null for a peer read and written through the kernel (process_vm_readv/writev).
-struct PeerTensors {
-  char* at[kMaxLocalRanks];
-  int direct = 0;  // how many peers' lie in an arena mapped here
-};
-
-PeerTensors peer_tensors(const AllreduceCall& call, uint64_t step) {
-  const Blocks& x = call.blocks;
-  PeerTensors peers;
-  for (int r = 0; r < x.ranks; ++r) {
-    peers.at[r] = r == x.me ? x.data : call.comm.peer_arena(r, step);
-    if (r != x.me && peers.at[r] != nullptr) ++peers.direct;
-  }
-  return peers;
-}
-
 // The claimer reads each rank's block (in the tensor's dtype) where it lies, converts every rank's
 // into the wire dtype where the call compresses, sums them in rank order into its own tensor as the
 // one-shot schedule does, and writes the result into every peer's.
-void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTensors& peers,
-                       uint64_t step, int64_t b, std::vector<char>& scratch) {
+void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerData& peers, int64_t b,
+                       std::vector<char>& scratch) {
   const Kernels& k = kernels();
   const int64_t count = x.elements(b);
   if (count == 0) return;
@@ -158,15 +138,7 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTen
   scratch.resize(size_t(x.ranks) * (raw_room + wire_room));
   const void* srcs[kMaxLocalRanks];
   for (int r = 0; r < x.ranks; ++r) {
-    const char* raw = peers.at[r];
-    if (raw == nullptr) {
-      char* copy = scratch.data() + size_t(r) * raw_room;
-      call.channel.read_peer(r, copy, call.channel.posted(r, step).address + offset, raw_bytes,
-                             call.what);
-      raw = copy;
-    } else {
-      raw += offset;
-    }
+    const char* raw = peers.view(r, offset, raw_bytes, scratch.data() + size_t(r) * raw_room);
     srcs[r] = raw;
     if (converted) {
       char* wire = scratch.data() + size_t(x.ranks) * raw_room + size_t(r) * wire_room;
@@ -176,73 +148,46 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerTen
   }
   k.reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale, Write::Cached);
   for (int r = 0; r < x.ranks; ++r) {
-    if (r == x.me) continue;
-    if (peers.at[r] != nullptr) {
-      std::memcpy(peers.at[r] + offset, x.at(b), raw_bytes);
-    } else {
-      call.channel.write_peer(r, call.channel.posted(r, step).address + offset, x.at(b), raw_bytes,
-                              call.what);
-    }
+    if (r != x.me) peers.write(r, offset, x.at(b), raw_bytes);
   }
 }
 
 // Blocks claimed by whichever rank gets there first, each summed by its claimer straight from
-// every rank's tensor into every rank's tensor, after a first step (at `step`) that carried the
-// ranks' addresses and checked the call. The shared schedule, and the zero-copy one where the
-// tensors lie in the ranks' arenas: there every block is plain loads and stores, so the call
-// copies nothing in or out and synchronises twice whatever its size. A large call's blocks are
+// every rank's tensor into every rank's tensor, as the call's opening reaches them. The shared
+// schedule, and the zero-copy one where the tensors lie in the ranks' arenas: there every block is
+// plain loads and stores, so the call copies nothing in or out and synchronises twice whatever its
+// size. A large call's blocks are
 // claimed by every thread of the rank (workers.h): each sums a block as the rank would, so the bits
 // are the same whichever thread of whichever rank summed it.
-void allreduce_claimed(AllreduceCall& call, uint64_t step) {
+void allreduce_claimed(AllreduceCall& call, const Opening& opening) {
   ShmChannel& channel = call.channel;
   Blocks x = call.blocks;
   x.per_block =
       int64_t(shared_block_bytes(channel.layout(), size_t(x.numel) * x.wire_size) / x.wire_size);
   x.n = x.numel == 0 ? 1 : (x.numel + x.per_block - 1) / x.per_block;
-  const PeerTensors peers = peer_tensors(call, step);
   AllreduceBuffers& buffers = call.comm.allreduce_buffers();
-  const bool zero_copy = call.meta.arena.valid() && peers.direct == x.ranks - 1;
   const uint64_t first = buffers.shared_blocks, end = first + uint64_t(x.n);
   buffers.shared_blocks = end;
   const auto claim = [&](int thread) {
     std::vector<char>& scratch = call.comm.scratch(thread);
     uint64_t block = 0;
     while (channel.claim_block(end, &block)) {
-      sum_block_for_all(call, x, peers, step, int64_t(block - first), scratch);
+      sum_block_for_all(call, x, opening.peers, int64_t(block - first), scratch);
       channel.block_done(end);
     }
   };
   const int threads = call.comm.threads_for(size_t(x.numel) * x.wire_size);
   call.comm.run_threads(int(std::min<int64_t>(x.n, threads)), claim);
   channel.wait_blocks_done(end, call.what);
-  if (zero_copy) call.comm.count_zero_copy();
 }
 
-// The first step of a claimed call: every rank's description with its tensor's address, and no
-// data; returns the step.
-uint64_t arrive_without_data(AllreduceCall& call) {
-  ShmChannel& channel = call.channel;
-  const uint64_t step = call.comm.next_step();
-  channel.post(step, call.meta);
-  channel.publish(Phase::Arrive, step);
-  const auto waits_from = Clock::now();
-  channel.wait_all(Phase::Arrive, step, call.what);
-  call.skew = Clock::now() - waits_from;
-  // Past the check every rank's tensor has this call's size, which the claimers rely on.
-  if (!call.checked) call.comm.first_step(step, call.meta, call.what);
-  return step;
-}
-
-void allreduce_in_node(AllreduceCall& call, bool one_shot) {
+// Through the slots, one block a step (the first at step `carried` where the call's opening carried
+// it: Opening::carried): one-shot, every rank sums every block into its tensor, or two-phase.
+void allreduce_slots(const AllreduceCall& call, bool one_shot, uint64_t carried) {
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
   for (int64_t b = 0; b < x.n; ++b) {
-    const uint64_t step = arrive(call, b);
-    if (b == 0 && !call.checked && call.comm.any_in_arena(step)) {
-      restart(call);
-      allreduce_in_node(call, one_shot);
-      return;
-    }
+    const uint64_t step = b == 0 && carried != 0 ? carried : arrive(call, b);
     const int64_t count = x.elements(b);
     if (one_shot) {
       for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
@@ -305,7 +250,10 @@ void allreduce_across_nodes(AllreduceCall& call) {
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
     for (int64_t b = first; b < chunk_start(c + 1); ++b) {
-      const uint64_t step = arrive(call, b);
+      // The first block goes with the call's first step, which checks it within the node and
+      // starts its check with the other nodes.
+      const uint64_t step =
+          b == 0 ? open_allreduce(call, OpenRule{-1, false, call.wide}).carried : arrive(call, b);
       const auto [lo, hi] = x.slice(x.elements(b));
       sum_slice(call, step, b, lo, hi, sums_at(b));
     }
@@ -371,33 +319,20 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
     allreduce_across_nodes(call);
     return;
   }
-  // A tensor in this rank's arena starts with a step with no data; where every rank's does, the
-  // call goes claimed whatever the schedule, each rank read where its tensor lies: nothing copied
-  // in or out.
-  call.meta.address = reinterpret_cast<uint64_t>(data);
-  call.meta.arena = comm.arena_place(data, size_t(numel) * blocks.data_size);
+  // The shared schedule reads and writes every rank's tensor where it lies; the others go through
+  // the slots unless every rank's tensor lies in its arena, where the call goes claimed whatever
+  // the schedule, nothing copied in or out.
   const bool shared = schedule == ScheduleChoice::kShared;
-  bool ran_its_schedule = true;
-  if (shared || call.meta.arena.valid()) {
-    const uint64_t step = arrive_without_data(call);
-    if (comm.all_in_arena(step) || (shared && !comm.any_in_arena(step))) {
-      allreduce_claimed(call, step);
-      ran_its_schedule = shared;
-    } else {
-      restart(call);
-      if (shared) {
-        allreduce_claimed(call, arrive_without_data(call));
-      } else {
-        allreduce_in_node(call, one_shot);
-      }
-    }
+  const Opening opening = open_allreduce(call, OpenRule{-1, shared, wide});
+  if (opening.method == CopyMethod::Direct) {
+    allreduce_claimed(call, opening);
   } else {
-    allreduce_in_node(call, one_shot);
+    allreduce_slots(call, one_shot, opening.carried);
   }
-  // A call that went claimed where its schedule was another (every rank's tensor in the arena),
-  // or ran twice (checked), says nothing of its schedule's time.
-  if (ran_its_schedule && !call.checked && timed >= 0) {
-    choice.time(timed, schedule, bytes, Clock::now() - started - call.skew);
+  // Only a call that ran as its schedule runs on any tensor times it: not one that went claimed
+  // for tensors in the arena, or went through the slots after all.
+  if (opening.plain && (opening.method == CopyMethod::Direct) == shared && timed >= 0) {
+    choice.time(timed, schedule, bytes, Clock::now() - started - opening.skew);
   }
 }
 

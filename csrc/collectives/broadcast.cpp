@@ -7,16 +7,16 @@
 
 #include "../cross_node/cross_node.h"
 #include "collectives.h"
+#include "opening.h"
 
 namespace ddpx {
 namespace {
 
-// Where the root's data lies in its arena (its first step says so), no block goes through the
-// slots: every other rank copies it from there, and the root waits for them to finish reading.
-// Returns false, having copied nothing, where some rank cannot reach the root's memory: the ranks
-// then run it again through the slots from the next step.
-bool broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* data, size_t bytes,
-                       int root, const std::string& what) {
+// Through the slots: each block of the root's data goes through its input slot at a step of its
+// own (the first block at step `carried` where the call's opening carried it: Opening::carried),
+// and every other rank copies it out.
+void broadcast_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, void* data,
+                     size_t bytes, int root, const std::string& what) {
   ShmChannel& channel = comm.channel();
   const int me = channel.me();
   const size_t block = channel.layout().block_bytes;
@@ -26,29 +26,31 @@ bool broadcast_in_node(NodeComm& comm, const CallMeta& mine, bool first, void* d
   char* bytes_at = static_cast<char*>(data);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
-    const uint64_t step = comm.exchange(
-        mine, first && b == 0,
-        [&](char* slot) {
-          if (me == root && !mine.arena.valid()) k.copy(slot, bytes_at + lo, count, Write::Cached);
-        },
-        what);
-    if (first && b == 0 && channel.posted(root, step).arena.valid()) {
-      if (!comm.all_reach(step)) return false;
-      const char* from = me == root ? bytes_at : comm.peer_arena(root, step);
-      if (me != root) {
-        if (from == nullptr) {
-          channel.read_peer(root, data, channel.posted(root, step).address, bytes, what);
-        } else if (bytes > 0) {
-          k.copy(bytes_at, from, bytes, write);
-        }
-      }
-      comm.finish_reads(step, what);
-      if (from != nullptr) comm.count_zero_copy();
-      return true;
+    uint64_t step = b == 0 ? carried : 0;
+    if (step == 0) {
+      step = comm.exchange(
+          mine, false,
+          [&](char* slot) {
+            if (me == root) k.copy(slot, bytes_at + lo, count, Write::Cached);
+          },
+          what);
     }
     if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, write);
   }
-  return true;
+}
+
+// Direct: every other rank copies the root's data from where it lies, and the root waits for them
+// to finish reading.
+void broadcast_direct(NodeComm& comm, const Opening& opening, void* data, size_t bytes, int root,
+                      const std::string& what) {
+  char* to = static_cast<char*>(data);
+  if (comm.channel().me() != root && bytes > 0) {
+    const char* from = opening.peers.view(root, 0, bytes, to);
+    if (from != to) {
+      kernels().copy(to, from, bytes, bytes >= kStreamBytes ? Write::Streaming : Write::Cached);
+    }
+  }
+  comm.finish_reads(opening.step, what);
 }
 
 void broadcast_across_nodes(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, int root,
@@ -63,7 +65,7 @@ void broadcast_across_nodes(NodeComm& comm, void* data, size_t bytes, int32_t to
   if (comm.channel().me() == root_local) {
     comm.across("transfer", what, [&] { comm.cross_node().broadcast(data, bytes, root_node); });
   }
-  broadcast_in_node(comm, mine, false, data, bytes, root_local, what);
+  broadcast_slots(comm, mine, 0, data, bytes, root_local, what);
 }
 
 }  // namespace
@@ -78,14 +80,19 @@ void broadcast(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, in
   }
   CallMeta mine =
       comm.begin_local(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what, torch_dtype);
-  if (comm.channel().me() == root) {
-    mine.address = reinterpret_cast<uint64_t>(data);
-    mine.arena = comm.arena_place(data, bytes);
+  const bool mine_is_read = comm.channel().me() == root;
+  const size_t first_block = std::min(bytes, comm.channel().layout().block_bytes);
+  const Opening opening = open_call(
+      comm, mine, mine_is_read ? data : nullptr, bytes, OpenRule{root},
+      [&](char* slot) {
+        if (mine_is_read) kernels().copy(slot, data, first_block, Write::Cached);
+      },
+      what);
+  if (opening.method == CopyMethod::Direct) {
+    broadcast_direct(comm, opening, data, bytes, root, what);
+    return;
   }
-  if (!broadcast_in_node(comm, mine, true, data, bytes, root, what)) {
-    mine.arena = {};
-    broadcast_in_node(comm, mine, false, data, bytes, root, what);
-  }
+  broadcast_slots(comm, mine, opening.carried, data, bytes, root, what);
 }
 
 }  // namespace ddpx

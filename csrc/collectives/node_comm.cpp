@@ -246,40 +246,13 @@ void NodeComm::across(const char* kind, const std::string& what,
   }
 }
 
-ArenaPlace NodeComm::arena_place(const void* data, size_t bytes) const {
-  if (cross_node_ || !channel_.reaches_peers() || bytes == 0) return {};
-  return Arena::process().find(data, bytes);
-}
-
-bool NodeComm::all_reach(uint64_t step) const {
-  for (int r = 0; r < channel_.size(); ++r) {
-    if (channel_.posted(r, step).reaches == 0) return false;
-  }
-  return true;
-}
-
-bool NodeComm::all_in_arena(uint64_t step) const {
-  for (int r = 0; r < channel_.size(); ++r) {
-    if (!channel_.posted(r, step).arena.valid()) return false;
-  }
-  return true;
-}
-
-bool NodeComm::any_in_arena(uint64_t step) const {
-  for (int r = 0; r < channel_.size(); ++r) {
-    if (channel_.posted(r, step).arena.valid()) return true;
-  }
-  return false;
-}
-
-char* NodeComm::peer_arena(int rank, uint64_t step) {
-  const ArenaPlace& place = channel_.posted(rank, step).arena;
+char* NodeComm::map_peer(int r, const ArenaPlace& place) {
   if (!place.valid()) return nullptr;
   std::string why;
-  char* chunk = Arena::process().peer_chunk(channel_.pid(rank), place, &why);
+  char* chunk = Arena::process().peer_chunk(channel_.pid(r), place, &why);
   if (chunk != nullptr) return chunk + place.offset;
   const std::lock_guard<std::mutex> lock(unmapped_mu_);
-  if (unmapped_because_.empty()) unmapped_because_ = channel_.rank_name(rank) + "'s: " + why;
+  if (unmapped_because_.empty()) unmapped_because_ = channel_.rank_name(r) + "'s: " + why;
   return nullptr;
 }
 

@@ -3,7 +3,8 @@
 // against the peers' (and the other nodes') before any data moves, lets a rank reject its input
 // so that every rank's call raises, and turns a failed transfer between nodes into an error on
 // every rank. The collectives themselves are free functions over it (collectives.h), one file
-// each; the all-reduce's choice of schedule is one object it holds (schedule.h).
+// each, which open each call through opening.h, where how its data moves is chosen; the
+// all-reduce's choice of schedule is one object it holds (schedule.h).
 #pragma once
 
 #include <atomic>
@@ -129,19 +130,11 @@ class NodeComm {
   // What a collective other than the all-reduce trades across nodes, grown as needed.
   char* lane_buffer(size_t bytes);
 
-  // Zero-copy (arena.h). Where [data, data + bytes) lies in this rank's arena, for a call to post:
-  // not valid across nodes, for no bytes, or before this rank has found it reaches every peer's
-  // memory (its probe, at its first call), so that what the ranks posted decides alike on all.
-  ArenaPlace arena_place(const void* data, size_t bytes) const;
-  // What the ranks posted at a call's first step, step: every rank's tensor in its arena (so every
-  // rank reaches every peer), or some; every rank reaching every peer.
-  bool all_in_arena(uint64_t step) const;
-  bool all_reach(uint64_t step) const;
-  bool any_in_arena(uint64_t step) const;
-  // Local rank `rank`'s posted arena bytes, mapped here; null where the rank posted none or its
-  // chunk cannot be mapped (then its posted address is read through the kernel, and
-  // unmapped_because() says why the first chunk that could not be mapped was not).
-  char* peer_arena(int rank, uint64_t step);
+  // Local rank r's arena chunk that a call's first step says place lies in, mapped here (arena.h);
+  // null where the rank posted none or the chunk cannot be mapped (then its data is reached
+  // through the kernel, and unmapped_because() says why the first chunk that could not be mapped
+  // was not). For the call's opening (opening.h).
+  char* map_peer(int r, const ArenaPlace& place);
   std::string unmapped_because() const;
   // The end of a call that read peers' tensors where they lie: returns once every rank has
   // finished reading, so that none writes or frees a tensor a peer still reads.

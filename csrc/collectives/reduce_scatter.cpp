@@ -10,27 +10,43 @@
 
 #include "../cross_node/cross_node.h"
 #include "collectives.h"
+#include "opening.h"
 
 namespace ddpx {
 namespace {
 
-// Sums out = the ranks' parts for this rank, each scaled by input_scale into wire, the sum scaled
-// by sum_scale into out_dtype. Returns false, having summed nothing, where a call's first step
-// finds that some ranks' inputs lie in their arenas: the ranks then run it again from the next
-// step.
-bool reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
-                            const void* const* ins, DType dtype, void* out, DType out_dtype,
-                            DType wire, int64_t count, double input_scale, double sum_scale,
-                            const std::string& what) {
+// How many elements of each destination rank's part a slot holds: whole cache lines each.
+int64_t slot_part(const ShmChannel& channel, DType wire) {
+  const size_t wire_size = dtype_size(wire);
+  const int64_t line = int64_t(64 / wire_size);
+  return int64_t(channel.layout().block_bytes / (wire_size * size_t(channel.size()))) / line * line;
+}
+
+// Writes elements [lo, lo + todo) of each destination rank's part into slot, one part of
+// slot_part elements after another, each scaled by input_scale into wire.
+void fill_parts(char* slot, const void* const* ins, int n, DType dtype, DType wire, int64_t part,
+                int64_t lo, int64_t todo, double input_scale) {
+  if (todo <= 0) return;
+  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
+  for (int r = 0; r < n; ++r) {
+    kernels().convert(slot + size_t(r * part) * wire_size, wire,
+                      static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo,
+                      input_scale, Write::Cached);
+  }
+}
+
+// Through the slots: out = the ranks' parts for this rank, each scaled by input_scale into wire,
+// the sum scaled by sum_scale into out_dtype. Each step's slot holds one part per destination
+// rank (the first at step `carried` where the call's opening carried it: Opening::carried).
+void reduce_scatter_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried,
+                          const void* const* ins, DType dtype, void* out, DType out_dtype,
+                          DType wire, int64_t count, double input_scale, double sum_scale,
+                          const std::string& what) {
   ShmChannel& channel = comm.channel();
   const int me = channel.me();
-  const Kernels& k = kernels();
   const int n = channel.size();
-  const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
-  // Each step's slot holds one part per destination rank, whole cache lines each.
-  const int64_t line = int64_t(64 / wire_size);
-  const int64_t part =
-      int64_t(channel.layout().block_bytes / (wire_size * size_t(n))) / line * line;
+  const size_t wire_size = dtype_size(wire);
+  const int64_t part = slot_part(channel, wire);
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
   const size_t out_size = dtype_size(out_dtype);
   const Write write = size_t(count) * out_size >= kStreamBytes ? Write::Streaming : Write::Cached;
@@ -38,43 +54,33 @@ bool reduce_scatter_in_node(NodeComm& comm, const CallMeta& mine, bool first,
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t lo = s * part, todo = std::min(part, count - lo);
-    const uint64_t step = comm.exchange(
-        mine, first && s == 0,
-        [&](char* slot) {
-          if (todo <= 0) return;
-          for (int r = 0; r < n; ++r) {
-            k.convert(slot + size_t(r * part) * wire_size, wire,
-                      static_cast<const char*>(ins[r]) + size_t(lo) * size, dtype, todo,
-                      input_scale, Write::Cached);
-          }
-        },
-        what);
-    if (first && s == 0 && comm.any_in_arena(step)) return false;
+    uint64_t step = s == 0 ? carried : 0;
+    if (step == 0) {
+      step = comm.exchange(
+          mine, false,
+          [&](char* slot) { fill_parts(slot, ins, n, dtype, wire, part, lo, todo, input_scale); },
+          what);
+    }
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) {
       srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
     }
-    k.reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
+    kernels().reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
   }
-  return true;
 }
 
-// Every rank's input lies in its arena, its parts one after another: each rank sums its part of
-// every peer's input where it lies (converted into the wire first where the call compresses, as the
-// slots would hold it), in block-sized pieces that the rank's threads take in turn, then waits for
-// the peers to finish reading its own.
-void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* ins, DType dtype,
-                              void* out, DType wire, int64_t count, const SumRule& rule,
-                              const std::string& what) {
+// Direct: every rank's input lies one part after another; each rank sums its part of every peer's
+// input from where it lies (converted into the wire first where the call compresses, as the slots
+// would hold it), in block-sized pieces that the rank's threads take in turn, then waits for the
+// peers to finish reading its own.
+void reduce_scatter_direct(NodeComm& comm, const Opening& opening, DType dtype, void* out,
+                           DType wire, int64_t count, const SumRule& rule,
+                           const std::string& what) {
   ShmChannel& channel = comm.channel();
   const int n = channel.size(), me = channel.me();
   const Kernels& k = kernels();
   const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
   const size_t mine_at = size_t(me) * size_t(count) * size;  // this rank's part in every input
-  const char* bases[kMaxLocalRanks];
-  for (int r = 0; r < n; ++r) {
-    bases[r] = r == me ? static_cast<const char*>(ins[0]) : comm.peer_arena(r, step);
-  }
   const bool converted = wire != dtype;
   const int64_t per = std::max<int64_t>(1, int64_t(channel.layout().block_bytes / size));
   const Write write = size_t(count) * size >= kStreamBytes ? Write::Streaming : Write::Cached;
@@ -85,15 +91,9 @@ void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* 
     const void* srcs[kMaxLocalRanks];
     for (int64_t lo; (lo = next.fetch_add(per, std::memory_order_relaxed)) < count;) {
       const int64_t todo = std::min(per, count - lo);
-      const size_t at = mine_at + size_t(lo) * size;
       for (int r = 0; r < n; ++r) {
-        const char* raw = bases[r] + at;
-        if (bases[r] == nullptr) {
-          char* copy = scratch.data() + size_t(r) * size_t(per) * size;
-          channel.read_peer(r, copy, channel.posted(r, step).address + at, size_t(todo) * size,
-                            what);
-          raw = copy;
-        }
+        const char* raw = opening.peers.view(r, mine_at + size_t(lo) * size, size_t(todo) * size,
+                                             scratch.data() + size_t(r) * size_t(per) * size);
         srcs[r] = raw;
         if (converted) {
           char* wired =
@@ -106,8 +106,7 @@ void reduce_scatter_in_arenas(NodeComm& comm, uint64_t step, const void* const* 
                rule.sum_scale, write);
     }
   });
-  comm.finish_reads(step, what);
-  if (std::find(bases, bases + n, nullptr) == bases + n) comm.count_zero_copy();
+  comm.finish_reads(opening.step, what);
 }
 
 // Whether parts ins[0..n) lie one after another, count elements each.
@@ -124,7 +123,7 @@ bool one_after_another(const void* const* ins, int n, size_t part_bytes) {
 // dtype. In pieces (cross_piece_bytes), each trade started as soon as the node has summed it.
 void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* out, DType dtype,
                                  DType wire, int64_t count, double scale, const std::string& what) {
-  const CallMeta mine =
+  CallMeta mine =
       comm.begin(Collective::ReduceScatter, count, int32_t(dtype), int32_t(wire), scale, 0);
   const SumRule rule(dtype, wire, scale);
   CrossNode& link = comm.cross_node();
@@ -147,9 +146,22 @@ void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* o
         node_ins[size_t(r)] =
             static_cast<const char*>(ins[node_ranks[size_t(node * ranks + r)]]) + size_t(lo) * size;
       }
-      reduce_scatter_in_node(comm, mine, lo == 0 && node == 0, node_ins.data(), dtype,
-                             piece_sums + size_t(node) * size_t(n) * acc_size, acc, wire, n,
-                             rule.input_scale, 1.0, what);
+      // The call's first step carries the first slot of node 0's parts and checks the call.
+      uint64_t carried = 0;
+      if (lo == 0 && node == 0) {
+        const int64_t part = slot_part(comm.channel(), wire);
+        carried = open_call(
+                      comm, mine, nullptr, 0, OpenRule{},
+                      [&](char* slot) {
+                        fill_parts(slot, node_ins.data(), ranks, dtype, wire, part, 0,
+                                   std::min(part, n), rule.input_scale);
+                      },
+                      what)
+                      .carried;
+      }
+      reduce_scatter_slots(comm, mine, carried, node_ins.data(), dtype,
+                           piece_sums + size_t(node) * size_t(n) * acc_size, acc, wire, n,
+                           rule.input_scale, 1.0, what);
     }
     if (lo == 0) comm.finish_node_check(mine, "", what);
     if (n == 0) return;
@@ -188,24 +200,21 @@ void reduce_scatter(NodeComm& comm, const void* const* ins, void* out, DType dty
   const SumRule rule(dtype, wire, scale);
   const int n = comm.channel().size();
   const size_t part_bytes = size_t(count) * dtype_size(dtype);
-  if (one_after_another(ins, n, part_bytes)) {
-    mine.address = reinterpret_cast<uint64_t>(ins[0]);
-    mine.arena = comm.arena_place(ins[0], size_t(n) * part_bytes);
+  // Peers read this rank's input where it lies only where its parts lie one after another.
+  const bool contiguous = one_after_another(ins, n, part_bytes);
+  const int64_t part = slot_part(comm.channel(), wire);
+  const Opening opening = open_call(
+      comm, mine, contiguous ? ins[0] : nullptr, size_t(n) * part_bytes, OpenRule{},
+      [&](char* slot) {
+        fill_parts(slot, ins, n, dtype, wire, part, 0, std::min(part, count), rule.input_scale);
+      },
+      what);
+  if (opening.method == CopyMethod::Direct) {
+    reduce_scatter_direct(comm, opening, dtype, out, wire, count, rule, what);
+    return;
   }
-  bool first = true;
-  if (mine.arena.valid()) {
-    const uint64_t step = comm.exchange(mine, true, [](char*) {}, what);
-    if (comm.all_in_arena(step)) {
-      reduce_scatter_in_arenas(comm, step, ins, dtype, out, wire, count, rule, what);
-      return;
-    }
-    first = false;
-  }
-  auto run = [&](bool first_step) {
-    return reduce_scatter_in_node(comm, mine, first_step, ins, dtype, out, dtype, wire, count,
-                                  rule.input_scale, rule.sum_scale, what);
-  };
-  if (!run(first)) run(false);
+  reduce_scatter_slots(comm, mine, opening.carried, ins, dtype, out, dtype, wire, count,
+                       rule.input_scale, rule.sum_scale, what);
 }
 
 }  // namespace ddpx
