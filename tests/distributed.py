@@ -111,8 +111,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+# Set to a job's marker in the environment of a command run as written (its ranks' command lines
+# need not name the marker): how job_processes finds its processes.
+JOB_MARK = "DDPX_TEST_JOB"
+
+
 def job_processes(marker: str) -> list[int]:
-    """Pids of live processes (zombies excluded) whose command line contains ``marker``."""
+    """Pids of live processes (zombies excluded) whose command line contains ``marker``, or
+    whose environment sets JOB_MARK to it."""
+    mark = f"{JOB_MARK}={marker}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -120,9 +127,13 @@ def job_processes(marker: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read().decode(errors="replace")
+            if marker not in cmdline:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
         except OSError:
             continue
-        if marker in cmdline and alive(int(entry)):
+        if alive(int(entry)):
             found.append(int(entry))
     return found
 

@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import alive, job_processes, kill_job, shm_segments
+from distributed import JOB_MARK, alive, folder_with_scripts, job_processes, kill_job, shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 CPU_CONFIG = SCRIPTS / "configs" / "cpu.yaml"
 TIMEOUT_S = 180
 STEPS = 40
+DEFAULT_STEPS = 100  # a script's --steps when not given
 CHECKPOINT_FILES = {
     "plain": {"checkpoint.pt"},
     "accelerate_state": {"accelerate_state/model.safetensors", "accelerate_state/optimizer.bin",
@@ -38,16 +39,18 @@ COMM_PATHS = {
 }
 
 
-def finish(command: list, env: dict | None = None,
-           marker: str = str(SCRIPTS)) -> subprocess.CompletedProcess:
-    """Run `command` from the repository root to its end, or kill it and fail at TIMEOUT_S.
+def finish(command: list, env: dict | None = None, marker: str = str(SCRIPTS),
+           cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run `command` from `cwd` (the repository root) to its end, or kill it and fail at
+    TIMEOUT_S.
 
     The command gets a session of its own, and torch's launcher gives each rank another: a hang
-    is ended by kill_job, which finds the ranks by `marker`, a string in their command lines.
+    is ended by kill_job, which finds the ranks by `marker`, a string in their command lines (or
+    JOB_MARK's value in their environment).
     """
     with subprocess.Popen(
         [str(part) for part in command],
-        cwd=ROOT,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -63,9 +66,9 @@ def finish(command: list, env: dict | None = None,
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def run(command: list, env: dict | None = None) -> str:
-    """Run `command` from the repository root; its stdout, after checking it exited cleanly."""
-    result = finish(command, env)
+def run(command: list, env: dict | None = None, **where) -> str:
+    """Run `command` as finish does; its stdout, after checking it exited cleanly."""
+    result = finish(command, env, **where)
     output = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.returncode == 0, output
     assert "terminate called" not in result.stderr, output
@@ -75,6 +78,15 @@ def run(command: list, env: dict | None = None) -> str:
 def accelerate_launch(script: str, *args, num_processes: int = 2, steps: int = STEPS) -> str:
     return run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG,
                 "--num_processes", num_processes, SCRIPTS / script, "--steps", steps, *args])
+
+
+def run_readme_line(command: str, tmp_path: Path) -> str:
+    """`command`, a line of the README, run as written in a shell from a folder that sees the
+    repository's scripts/ (tmp_path, which JOB_MARK names in its processes' environment); its
+    stdout, after checking it exited cleanly."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{JOB_MARK: str(tmp_path)})
+    return run(["bash", "-c", command], env, marker=str(tmp_path),
+               cwd=folder_with_scripts(tmp_path))
 
 
 def accelerate_launch_to_fail(script: str, *args) -> str:
@@ -109,7 +121,24 @@ def final_state(stdout: str) -> tuple[str, str]:
             re.search(r"^parameter digest (\S+)$", stdout, re.MULTILINE).group(1))
 
 
-@pytest.mark.parametrize("comm_hook", ["ddpx", "default",
+# The README's launch lines, which tests/tooling/test_readme.py lists as run here: each as
+# written, with no flags, so on ddpx's hook for DEFAULT_STEPS steps, with its script's checks.
+README_BASIC, README_CHECKPOINT, README_MODEL_PARALLEL, README_TORCHRUN = (
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/basic.py",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/model_parallel.py",
+    "torchrun --nproc_per_node 2 scripts/basic.py",
+)
+
+
+def test_basic_two_processes_as_the_readme_launches_it(tmp_path):
+    """(The README's line; the ddpx hook of test_basic_two_processes.)"""
+    stdout = run_readme_line(README_BASIC, tmp_path)
+    check_training(stdout, 2, COMM_PATHS["ddpx"])
+
+
+# ddpx's hook: test_basic_two_processes_as_the_readme_launches_it.
+@pytest.mark.parametrize("comm_hook", ["default",
                                        *(pytest.param(hook, marks=pytest.mark.slow)
                                          for hook in ("fp16", "ddpx-bf16", "ddpx-fp16"))])
 def test_basic_two_processes(comm_hook):
@@ -134,9 +163,9 @@ def test_basic_four_processes():
     check_training(stdout, 4, COMM_PATHS["ddpx"])
 
 
-def test_basic_torchrun():
-    stdout = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc_per_node", 2, SCRIPTS / "basic.py", "--steps", STEPS])
+def test_basic_torchrun(tmp_path):
+    """(The README's line.)"""
+    stdout = run_readme_line(README_TORCHRUN, tmp_path)
     check_training(stdout, 2, COMM_PATHS["ddpx"])
 
 
@@ -157,10 +186,13 @@ def test_help_shows_the_docstring_as_written(script):
     assert written.strip() in result.stdout, result.stdout
 
 
+# The scripts share their parser (common.py's make_parser): one of them by default.
 @pytest.mark.parametrize("script, flags, error", [
     ("basic.py", ["--bogus"], "unrecognized arguments: --bogus"),
-    ("checkpoint.py", ["--comm_hook", "nccl"], "argument --comm_hook: invalid choice: 'nccl'"),
-    ("model_parallel.py", ["--steps", "many"], "argument --steps: invalid int value: 'many'"),
+    pytest.param("checkpoint.py", ["--comm_hook", "nccl"],
+                 "argument --comm_hook: invalid choice: 'nccl'", marks=pytest.mark.slow),
+    pytest.param("model_parallel.py", ["--steps", "many"],
+                 "argument --steps: invalid int value: 'many'", marks=pytest.mark.slow),
 ])
 def test_a_flag_error_is_printed_once(script, flags, error):
     """Every rank parses the same command line; the usage and the error appear once, not once per
@@ -248,8 +280,9 @@ def test_a_failing_rank_is_the_root_cause_accelerate_launch_reports(tmp_path):
     assert "in load_checkpoint" in root_cause and "UnpicklingError" in root_cause, output
 
 
-def test_model_parallel():
-    stdout = accelerate_launch("model_parallel.py")
+def test_model_parallel(tmp_path):
+    """(The README's line.)"""
+    stdout = run_readme_line(README_MODEL_PARALLEL, tmp_path)
     check_training(stdout, 2, COMM_PATHS["ddpx"])
     assert "model split: net1 on cpu, net2 on cpu" in stdout
 
@@ -290,12 +323,14 @@ def test_ranks_write_whole_lines_even_unbuffered():
             process.kill()
 
 
-def test_checkpoint_cycle_by_default():
-    """With no flags: halfway and at the end, rank 0 saves, every rank loads the checkpoint back
-    with its map_location and finds the weights it saved; the temporary directory is gone after."""
-    stdout = accelerate_launch("checkpoint.py")
+def test_checkpoint_cycle_by_default(tmp_path):
+    """With no flags (the README's line): halfway and at the end, rank 0 saves, every rank loads
+    the checkpoint back with its map_location and finds the weights it saved; the temporary
+    directory is gone after."""
+    stdout = run_readme_line(README_CHECKPOINT, tmp_path)
     check_training(stdout, 2, COMM_PATHS["ddpx"])
-    for step in (STEPS // 2, STEPS):
+    assert re.search(r"^parameter digest \S+$", stdout, re.MULTILINE), stdout
+    for step in (DEFAULT_STEPS // 2, DEFAULT_STEPS):
         assert f"saved checkpoint after step {step}" in stdout
         for rank in range(2):
             assert re.search(rf"^rank {rank}: loaded the step-{step} checkpoint \(map_location=cpu"
@@ -312,9 +347,13 @@ def test_resuming_the_latest_checkpoint_needs_its_directory():
     assert "--resume_from_checkpoint latest needs the --output_dir it is in" in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["plain", "accelerate_state"])
-@pytest.mark.parametrize("resume", ["latest", "a missing path"])
-def test_resuming_a_missing_checkpoint_says_so_once(mode, resume, tmp_path):
+# Each mode and each kind of path by default; the other two pairs with -m slow.
+@pytest.mark.parametrize("resume, mode", [
+    ("latest", "plain"), ("a missing path", "accelerate_state"),
+    pytest.param("latest", "accelerate_state", marks=pytest.mark.slow),
+    pytest.param("a missing path", "plain", marks=pytest.mark.slow),
+])
+def test_resuming_a_missing_checkpoint_says_so_once(resume, mode, tmp_path):
     """No checkpoint where --resume_from_checkpoint points: one line, from one rank, naming what
     was looked for where; no traceback; every rank gone, with nothing left in /dev/shm."""
     flags = ["--use_accelerate_state"] if mode == "accelerate_state" else []

@@ -40,12 +40,6 @@ def readme_inline_code() -> list[str]:
 
 # Shell commands this file runs, and a line each prints when it worked.
 RUN_HERE = {
-    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/basic.py": "final loss",
-    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py":
-        "parameter digest",
-    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/model_parallel.py":
-        "final loss",
-    "torchrun --nproc_per_node 2 scripts/basic.py": "final loss",
     'python -c "import ddpx.settings as s; print(s.describe())"': "DDPX_BLOCK_KB=256 (",
     "ddpx-bench allreduce --quick": "quick mode: one launch,",
 }
@@ -97,6 +91,13 @@ IN_CI = {
 # Commands a test runs as written, and its file in tests/ (test_arm.py's: `pytest -m slow`).
 IN_TESTS = {
     "bash tools/arm_run.sh": "test_arm.py",
+    # Each launched once, with its script's checks.
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/basic.py": "test_scripts.py",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py":
+        "test_scripts.py",
+    "accelerate launch --config_file scripts/configs/cpu.yaml scripts/model_parallel.py":
+        "test_scripts.py",
+    "torchrun --nproc_per_node 2 scripts/basic.py": "test_scripts.py",
     "accelerate launch --num_processes 2 scripts/basic.py": "test_scripts.py",
     "accelerate launch --multi_gpu --num_processes 2 scripts/basic.py": "test_scripts.py",
 }
