@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import ddpx
 
-mode, out = sys.argv[1], sys.argv[2]
+modes, out = sys.argv[1].split(","), sys.argv[2]
 
 
 class Net(L.LightningModule):
@@ -42,44 +42,57 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-torch.manual_seed(0)
-model = Net()
-data = torch.Generator().manual_seed(1)
-dataset = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=data),
-                                         torch.randn(64, 4, generator=data))
-quiet = dict(accelerator="cpu", devices=2, max_steps=5, logger=False, enable_checkpointing=False,
-             enable_progress_bar=False, enable_model_summary=False)
-# The README's lines, as written there.
-if mode == "backend":
-    trainer = L.Trainer(**quiet, strategy=DDPStrategy(process_group_backend="ddpx"))
-elif mode == "callback":
-    trainer = L.Trainer(**quiet, strategy=DDPStrategy(), callbacks=[ddpx.lightning.FusedHook()])
-else:
-    trainer = L.Trainer(**quiet, strategy=DDPStrategy())
-trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
-hook = next((c for c in trainer.callbacks if isinstance(c, ddpx.lightning.FusedHook)), None)
-if trainer.global_rank == 0:
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "backend": dist.get_backend(),
-                "routes": ddpx.backend_of().routes() if mode == "backend" else None,
-                "hook": type(hook.state.engine).__name__ if hook is not None else None}, out)
-# The DDP model goes, then the group: a gloo group alive at interpreter exit can abort the process
-# ("terminate called without an active exception": gloo's thread frees a tensor of Python's).
-del trainer, model, hook
-gc.collect()
+# Each mode trains a fresh model in turn; the first fit's group serves the next ones.
+for mode in modes:
+    torch.manual_seed(0)
+    model = Net()
+    data = torch.Generator().manual_seed(1)
+    dataset = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=data),
+                                             torch.randn(64, 4, generator=data))
+    quiet = dict(accelerator="cpu", devices=2, max_steps=5, logger=False,
+                 enable_checkpointing=False, enable_progress_bar=False,
+                 enable_model_summary=False)
+    # The README's lines, as written there.
+    if mode == "backend":
+        trainer = L.Trainer(**quiet, strategy=DDPStrategy(process_group_backend="ddpx"))
+    elif mode == "callback":
+        trainer = L.Trainer(**quiet, strategy=DDPStrategy(),
+                            callbacks=[ddpx.lightning.FusedHook()])
+    else:
+        trainer = L.Trainer(**quiet, strategy=DDPStrategy())
+    trainer.fit(model, torch.utils.data.DataLoader(dataset, batch_size=8))
+    hook = next((c for c in trainer.callbacks if isinstance(c, ddpx.lightning.FusedHook)), None)
+    if trainer.global_rank == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "backend": dist.get_backend(),
+                    "routes": ddpx.backend_of().routes() if mode == "backend" else None,
+                    "hook": type(hook.state.engine).__name__ if hook is not None else None},
+                   f"{out}/{mode}.pt")
+    # The DDP model goes, then the group: a gloo group alive at interpreter exit can abort the
+    # process ("terminate called without an active exception": gloo's thread frees a tensor of
+    # Python's).
+    del trainer, model, hook
+    gc.collect()
 dist.destroy_process_group()
 '''
 
 
-def train(mode: str, tmp_path, source: str = JOB) -> dict:
-    out = tmp_path / f"{mode}.pt"
-    torchrun(tmp_path, "job.py", source, mode, str(out))
-    return torch.load(out)
+def train(modes: str, tmp_path, source: str = JOB) -> dict:
+    """The job ``source`` run once under torchrun for ``modes`` (comma-separated, trained one
+    after the other in the same ranks); what rank 0 saved, by mode."""
+    torchrun(tmp_path, "job.py", source, modes, str(tmp_path))
+    return {mode: torch.load(tmp_path / f"{mode}.pt") for mode in modes.split(",")}
 
 
 @pytest.fixture(scope="module")
-def default(tmp_path_factory):
-    return train("default", tmp_path_factory.mktemp("default"))
+def gloo_runs(tmp_path_factory):
+    """Lightning's default DDP and the fused hook callback on it: one launch, two fits."""
+    return train("default,callback", tmp_path_factory.mktemp("gloo"))
+
+
+@pytest.fixture(scope="module")
+def default(gloo_runs):
+    return gloo_runs["default"]
 
 
 def assert_same_weights(result: dict, reference: dict) -> None:
@@ -88,26 +101,49 @@ def assert_same_weights(result: dict, reference: dict) -> None:
         assert torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("module, package, install", [
-    ("lightning", "lightning", "pip install lightning"),
-    ("transformers", "transformers", "pip install transformers"),
-], ids=["lightning", "transformers"])
-def test_import_ddpx_is_enough_for_its_trainer_modules(module, package, install):
+TRAINER_MODULES = {"lightning": ("lightning", "pip install lightning"),
+                   "transformers": ("transformers", "pip install transformers")}
+
+
+@pytest.fixture(scope="module")
+def trainer_modules() -> tuple[str, str]:
+    """What two fresh interpreters print: one reaching each trainer module after ``import ddpx``
+    alone, one doing so without their libraries (each line: module, then its name or its
+    error)."""
+    def run(source: str) -> str:
+        done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    found = run("import ddpx\n"
+                f"for module in {list(TRAINER_MODULES)}:\n"
+                "    print(module, getattr(ddpx, module).__name__)")
+    missing = run("import sys\n"
+                  f"for package, _ in {list(TRAINER_MODULES.values())}:\n"
+                  "    sys.modules[package] = None\n"
+                  "import ddpx\n"
+                  f"for module in {list(TRAINER_MODULES)}:\n"
+                  "    try:\n"
+                  "        getattr(ddpx, module)\n"
+                  "    except ImportError as error:\n"
+                  "        print(module, f'{type(error).__name__}: {error}')")
+    return found, missing
+
+
+@pytest.mark.parametrize("module", sorted(TRAINER_MODULES))
+def test_import_ddpx_is_enough_for_its_trainer_modules(module, trainer_modules):
     """``ddpx.lightning`` and the others after ``import ddpx`` alone, as the README writes them;
     without the library they need, an error that says what to install."""
-    def run(source: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
-                              timeout=120)
-
-    found = run(f"import ddpx; print(ddpx.{module}.__name__)")
-    assert found.stdout == f"ddpx.{module}\n", found.stdout + found.stderr
-    missing = run(f"import sys; sys.modules['{package}'] = None; import ddpx; ddpx.{module}")
-    assert (f"ModuleNotFoundError: ddpx.{module} needs {package}, which is not installed: "
-            f"{install}") in missing.stderr, missing.stderr
+    package, install = TRAINER_MODULES[module]
+    found, missing = trainer_modules
+    assert f"{module} ddpx.{module}\n" in found, found
+    assert (f"{module} ModuleNotFoundError: ddpx.{module} needs {package}, which is not "
+            f"installed: {install}\n") in missing, missing
 
 
 def test_lightning_on_the_ddpx_backend(default, tmp_path):
-    result = train("backend", tmp_path)
+    result = train("backend", tmp_path)["backend"]
     assert default["backend"] == "gloo" and result["backend"] == "ddpx"
     assert_same_weights(result, default)
     # DDP's gradient all-reduces (5 steps) and Lightning's broadcasts ran on the engine.
@@ -116,8 +152,8 @@ def test_lightning_on_the_ddpx_backend(default, tmp_path):
     assert all(paths["gloo"] == 0 for paths in result["routes"].values()), result["routes"]
 
 
-def test_lightning_with_the_fused_hook_callback(default, tmp_path):
-    result = train("callback", tmp_path)
+def test_lightning_with_the_fused_hook_callback(default, gloo_runs):
+    result = gloo_runs["callback"]
     assert result["hook"] == "ShmEngine", result["hook"]
     assert_same_weights(result, default)
 
@@ -132,32 +168,35 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
 
-mode, out = sys.argv[1], sys.argv[2]
+modes, out = sys.argv[1].split(","), sys.argv[2]
 state = ddpx.FusedHookState()  # no process group yet
 dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
-if mode == "lazy":
-    model.register_comm_hook(state, ddpx.fused_allreduce_hook)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-data = torch.Generator().manual_seed(dist.get_rank())
-for _ in range(5):
-    x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    optimizer.step()
-    optimizer.zero_grad()
-if dist.get_rank() == 0:
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "local_ranks": state.engine.local_ranks if mode == "lazy" else None}, out)
-del model, optimizer
-gc.collect()
+for mode in modes:  # the hooked model first, while the state is still unbound
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4)))
+    if mode == "lazy":
+        model.register_comm_hook(state, ddpx.fused_allreduce_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(5):
+        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if dist.get_rank() == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "local_ranks": state.engine.local_ranks if mode == "lazy" else None},
+                   f"{out}/{mode}.pt")
+    del model, optimizer
+    gc.collect()
 dist.destroy_process_group()
 '''
 
 
 def test_a_hook_state_made_before_the_process_group_binds_at_the_first_bucket(tmp_path):
-    reference = train("default", tmp_path, LAZY_JOB)
-    result = train("lazy", tmp_path, LAZY_JOB)
+    runs = train("lazy,default", tmp_path, LAZY_JOB)  # one launch: the hook, then DDP's own
+    result, reference = runs["lazy"], runs["default"]
     assert result["local_ranks"] == 2, result["local_ranks"]
     assert_same_weights(result, reference)
 
@@ -172,7 +211,7 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 import ddpx
 
-mode, out = sys.argv[1], sys.argv[2]
+mode, out = sys.argv[1], f"{sys.argv[2]}/{sys.argv[1]}.pt"
 if mode != "default":
     dist.init_process_group("ddpx")  # before the TrainingArguments: Accelerate uses it
 
@@ -220,12 +259,12 @@ dist.destroy_process_group()
 @pytest.fixture(scope="module")
 def hf_default(tmp_path_factory):
     pytest.importorskip("transformers")
-    return train("default", tmp_path_factory.mktemp("hf-default"), HF_JOB)
+    return train("default", tmp_path_factory.mktemp("hf-default"), HF_JOB)["default"]
 
 
 @pytest.fixture(scope="module")
 def hf_backend(hf_default, tmp_path_factory):
-    return train("backend", tmp_path_factory.mktemp("hf-backend"), HF_JOB)
+    return train("backend", tmp_path_factory.mktemp("hf-backend"), HF_JOB)["backend"]
 
 
 def test_hf_trainer_on_the_ddpx_backend(hf_default, hf_backend):
@@ -238,7 +277,7 @@ def test_hf_trainer_on_the_ddpx_backend(hf_default, hf_backend):
 
 
 def test_hf_trainer_with_the_fused_hook(hf_default, hf_backend, tmp_path):
-    result = train("hook", tmp_path, HF_JOB)
+    result = train("hook", tmp_path, HF_JOB)["hook"]
     assert result["hook"] == "ShmEngine", result["hook"]
     assert_same_weights(result, hf_default)
     # The 5 steps' gradient buckets (one each) went through the hook, not the backend.
