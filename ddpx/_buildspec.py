@@ -19,6 +19,7 @@ CPP_SOURCES = (
     "node/numa.cpp",
     "node/arena.cpp",
     "node/waiter.cpp",
+    "node/peer_memory.cpp",
     "node/shm_channel.cpp",
     "collectives/schedule.cpp",
     "node/workers.cpp",

@@ -62,7 +62,7 @@ CallMeta NodeComm::begin(Collective op, int64_t numel, int32_t dtype, int32_t wi
   channel_.begin_call();
   schedule_.begin_call();
   CallMeta mine{++calls_, numel, dtype, wire, scale, int32_t(op), root, 0, torch_dtype};
-  mine.reaches = channel_.reaches_peers() ? 1 : 0;
+  mine.reaches = memory_.reaches_peers() ? 1 : 0;
   schedule_.stamp(mine);
   return mine;
 }
@@ -95,7 +95,7 @@ void NodeComm::reject(const std::string& reason, const std::string& what) {
   channel_.set_message(reason);
   channel_.publish(ShmChannel::Phase::Arrive, step);
   channel_.wait_all(ShmChannel::Phase::Arrive, step, what);
-  schedule_.agree(channel_.posted(0, step), channel_);
+  schedule_.agree(channel_.posted(0, step), channel_, memory_);
   if (cross_node_) {
     start_node_check(rejected, false, what);
     try {
@@ -157,7 +157,9 @@ void NodeComm::check_peers_agree(const CallMeta& mine, const std::string& what) 
 }
 
 void NodeComm::first_step(uint64_t step, const CallMeta& mine, const std::string& what) {
-  schedule_.agree(channel_.posted(0, step), channel_);
+  // Every rank probes its peers' memory at its first call, once all have attached.
+  if (!cross_node_ && channel_.size() > 1 && !memory_.probed()) memory_.probe();
+  schedule_.agree(channel_.posted(0, step), channel_, memory_);
   if (!cross_node_) {
     check_peers_agree(mine, what);
     return;

@@ -69,6 +69,7 @@ class NodeComm {
 
   ShmChannel& channel() { return channel_; }
   const ShmChannel& channel() const { return channel_; }
+  const PeerMemory& peer_memory() const { return memory_; }
   ScheduleChoice& schedule() { return schedule_; }
   const ScheduleChoice& schedule() const { return schedule_; }
   AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
@@ -153,6 +154,7 @@ class NodeComm {
   [[noreturn]] void fail_node_check(const std::string& what, const std::exception& e);
 
   ShmChannel channel_;
+  PeerMemory memory_{channel_};
   ScheduleChoice schedule_;
   uint64_t step_ = 0;
   uint64_t calls_ = 0;

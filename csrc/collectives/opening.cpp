@@ -9,7 +9,7 @@ namespace ddpx {
 
 const char* PeerData::view(int r, size_t offset, size_t bytes, char* room) const {
   if (at_[r] != nullptr) return at_[r] + offset;
-  channel_->read_peer(r, room, channel_->posted(r, step_).address + offset, bytes, *what_);
+  memory_->read(r, room, channel_->posted(r, step_).address + offset, bytes, *what_);
   return room;
 }
 
@@ -17,7 +17,7 @@ void PeerData::write(int r, size_t offset, const void* from, size_t bytes) const
   if (at_[r] != nullptr) {
     std::memcpy(at_[r] + offset, from, bytes);
   } else {
-    channel_->write_peer(r, channel_->posted(r, step_).address + offset, from, bytes, *what_);
+    memory_->write(r, channel_->posted(r, step_).address + offset, from, bytes, *what_);
   }
 }
 
@@ -30,7 +30,7 @@ Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes
   // first call), so that what the ranks post decides alike on all; never across nodes.
   if (data != nullptr) {
     mine.address = reinterpret_cast<uint64_t>(data);
-    if (!comm.spans_nodes() && channel.reaches_peers() && bytes > 0) {
+    if (!comm.spans_nodes() && comm.peer_memory().reaches_peers() && bytes > 0) {
       mine.arena = Arena::process().find(data, bytes);
     }
   }
@@ -57,7 +57,7 @@ Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes
       fill && !any_arena && !rule.unmapped_too ? step : 0,
       !any_arena,
       skew,
-      PeerData(channel, step, what)};
+      PeerData(channel, comm.peer_memory(), step, what)};
   if (opening.method == CopyMethod::Slots) return opening;
   bool zero_copy = true;
   for (int r = 0; r < channel.size(); ++r) {

@@ -38,8 +38,9 @@ struct OpenRule {
 // Each rank's data as this rank reaches it, in a Direct call.
 class PeerData {
  public:
-  PeerData(ShmChannel& channel, uint64_t step, const std::string& what)
-      : channel_(&channel), step_(step), what_(&what) {}
+  PeerData(const ShmChannel& channel, const PeerMemory& memory, uint64_t step,
+           const std::string& what)
+      : channel_(&channel), memory_(&memory), step_(step), what_(&what) {}
   // Rank r's data mapped here (this rank's own: where it lies), or null where it is reached
   // through the kernel.
   char* mapped(int r) const { return at_[r]; }
@@ -51,7 +52,8 @@ class PeerData {
   void write(int r, size_t offset, const void* from, size_t bytes) const;
 
  private:
-  ShmChannel* channel_;
+  const ShmChannel* channel_;
+  const PeerMemory* memory_;
   uint64_t step_;
   const std::string* what_;  // the call's name, for errors; outlives the call
   char* at_[kMaxLocalRanks] = {};

@@ -184,15 +184,11 @@ void ScheduleChoice::stamp(CallMeta& mine) {
   stamped_forced_ = forced_shared_;
 }
 
-void ScheduleChoice::agree(const CallMeta& zero, ShmChannel& channel) {
+void ScheduleChoice::agree(const CallMeta& zero, const ShmChannel& channel,
+                           const PeerMemory& memory) {
   agreed(zero);
-  if (spans_nodes_ || channel.size() == 1) return;
-  if (!probed_) {
-    channel.probe_peers();
-    probed_ = true;
-  }
-  if (channel.me() != 0) return;
-  decide(channel.reachable() == ShmChannel::Reach::Yes,
+  if (spans_nodes_ || channel.size() == 1 || channel.me() != 0) return;
+  decide(memory.reachable() == PeerMemory::Reach::Yes,
          policy() == Policy::Auto && channel.waited_for_cpu_within(kBusyWindow));
 }
 

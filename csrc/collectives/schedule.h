@@ -74,7 +74,7 @@ class ScheduleChoice {
   // the call), and local rank 0 decides which calls after go shared whatever the times say. The
   // two parts: agreed (every rank), and decide (local rank 0), from whether every rank reaches
   // its peers' memory and whether a rank waited for its CPU within kBusyWindow.
-  void agree(const CallMeta& zero, ShmChannel& channel);
+  void agree(const CallMeta& zero, const ShmChannel& channel, const PeerMemory& memory);
   void agreed(const CallMeta& zero);
   void decide(bool reachable, bool busy);
 
@@ -118,7 +118,6 @@ class ScheduleChoice {
   uint32_t chosen_shared_ = 0;
   uint32_t forced_shared_ = 0, stamped_forced_ = 0, agreed_forced_ = 0;
   bool reachable_ = false;
-  bool probed_ = false;
   // Local rank 0's measurements per class: for each schedule, a moving average of the time per
   // byte since its last trial began, and how many calls it counted; which ran last, how many
   // calls in a row, and how many trials of a slower one there were.

@@ -197,7 +197,7 @@ std::string ShmEngine::describe() const {
     const std::string one_shot = choice.one_shot_sizes();
     out << ", one-shot " << (one_shot.empty() ? "never" : one_shot);
     if (choice.policy() != Policy::Narrow && choice.policy() != Policy::Wide) {
-      const std::string& because = channel.unreachable_because();
+      const std::string& because = comm.peer_memory().unreachable_because();
       const std::string now = choice.shared_sizes();
       out << ", shared over " << (choice.always_one_shot_bytes() >> 10) << " KiB";
       if (choice.policy() == Policy::Auto) {

@@ -1,10 +1,9 @@
 // The node's shared-memory channel: the segment's layout, the ranks' counters and call
-// descriptions, the waits for them (through the waiter), aborts, and reaching a peer's memory.
+// descriptions, the waits for them (through the waiter), and aborts.
 #include "shm_channel.h"
 
 #include <c10/util/Exception.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,8 +79,7 @@ struct alignas(64) ShmChannel::RankControl {
   cpu_set_t allowed;  // the CPUs this rank may run on, as of its last call
   int32_t pid;
   uint64_t pid_ns;
-  uint64_t probe_address;      // where this rank's probe word lies in its process
-  std::atomic<int32_t> reach;  // a ShmChannel::Reach: whether this rank reaches its peers' memory
+  PeerMemoryWords memory;  // its probe word, and whether it reaches its peers' memory
   // When this rank last found, at the start of a call, that its calling thread had waited for a
   // CPU a good share of the time lately (steady clock): another process or thread wanted it.
   std::atomic<int64_t> cpu_waited_ns;
@@ -173,8 +171,6 @@ ShmChannel::ShmChannel(std::shared_ptr<ShmSegment> segment, ShmLayout layout, in
   control_[me_].allowed = allowed_cpus();
   control_[me_].pid = int32_t(getpid());
   control_[me_].pid_ns = pid_namespace();
-  probe_word_ = uint64_t(getpid());
-  control_[me_].probe_address = reinterpret_cast<uint64_t>(&probe_word_);
 }
 
 char* ShmChannel::input_slot(int rank, uint64_t step) const {
@@ -211,7 +207,7 @@ void ShmChannel::publish(Phase phase, uint64_t step) {
 
 bool ShmChannel::exited(int rank) const {
   const int pid = control_[rank].pid;
-  return pid > 0 && control_[rank].pid_ns == control_[me_].pid_ns && process_exited(pid);
+  return pid > 0 && same_pid_namespace(rank) && process_exited(pid);
 }
 
 void ShmChannel::check_not_aborted() const {
@@ -421,71 +417,10 @@ void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
 
 pid_t ShmChannel::pid(int rank) const { return control_[rank].pid; }
 
-void ShmChannel::copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
-                                uint64_t remote_address, size_t bytes, const std::string& what) {
-  for (size_t done = 0; done < bytes;) {
-    iovec local{static_cast<char*>(local_bytes) + done, bytes - done};
-    iovec remote{reinterpret_cast<void*>(remote_address + done), bytes - done};
-    const ssize_t n = copy(control_[rank].pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) {
-      const int error = errno;
-      fail("ddpx: " + rank_name(me_) + " could not " + verb + " " + std::to_string(bytes) +
-           " bytes of " + rank_name(rank) + "'s tensor (pid " + std::to_string(control_[rank].pid) +
-           ") for " + what + ": " + std::strerror(error) +
-           (error == ESRCH ? " (the process has exited)" : ""));
-    }
-    done += size_t(n);
-  }
-}
+PeerMemoryWords& ShmChannel::memory_words(int rank) const { return control_[rank].memory; }
 
-void ShmChannel::read_peer(int rank, void* to, uint64_t from, size_t bytes,
-                           const std::string& what) {
-  copy_with_peer(process_vm_readv, "read", rank, to, from, bytes, what);
-}
-
-void ShmChannel::write_peer(int rank, uint64_t to, const void* from, size_t bytes,
-                            const std::string& what) {
-  // process_vm_writev only reads the local bytes.
-  copy_with_peer(process_vm_writev, "write", rank, const_cast<void*>(from), to, bytes, what);
-}
-
-void ShmChannel::probe_peers() {
-  std::string because;
-  for (int r = 0; r < layout_.nranks && because.empty(); ++r) {
-    if (r == me_) continue;
-    const RankControl& peer = control_[r];
-    if (peer.pid_ns != control_[me_].pid_ns) {
-      because = rank_name(r) + " runs in another pid namespace";
-      continue;
-    }
-    uint64_t word = 0;
-    errno = 0;
-    iovec local{&word, sizeof word};
-    iovec remote{reinterpret_cast<void*>(peer.probe_address), sizeof word};
-    if (process_vm_readv(peer.pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof word) ||
-        word != uint64_t(peer.pid) ||
-        process_vm_writev(peer.pid, &local, 1, &remote, 1, 0) != ssize_t(sizeof word)) {
-      because = "process_vm_readv/writev to " + rank_name(r) +
-                " failed: " + std::strerror(errno ? errno : EIO);
-    }
-  }
-  unreachable_because_ = because;
-  control_[me_].reach.store(int32_t(because.empty() ? Reach::Yes : Reach::No),
-                            std::memory_order_release);
-}
-
-bool ShmChannel::reaches_peers() const {
-  return Reach(control_[me_].reach.load(std::memory_order_acquire)) == Reach::Yes;
-}
-
-ShmChannel::Reach ShmChannel::reachable() const {
-  Reach all = Reach::Yes;
-  for (int r = 0; r < layout_.nranks; ++r) {
-    const auto reach = Reach(control_[r].reach.load(std::memory_order_acquire));
-    if (reach == Reach::No) return Reach::No;
-    if (reach == Reach::Unknown) all = Reach::Unknown;
-  }
-  return all;
+bool ShmChannel::same_pid_namespace(int rank) const {
+  return control_[rank].pid_ns == control_[me_].pid_ns;
 }
 
 void ShmChannel::begin_call() {

@@ -15,7 +15,6 @@
 #pragma once
 
 #include <sched.h>
-#include <sys/uio.h>
 
 #include <atomic>
 #include <chrono>
@@ -27,6 +26,7 @@
 
 #include "../kernels/kernels.h"
 #include "arena.h"
+#include "peer_memory.h"
 #include "shm_segment.h"
 #include "waiter.h"
 
@@ -146,19 +146,10 @@ class ShmChannel {
   // Returns once every block below end is done; bounded, and ended by a peer's exit, like
   // wait_all.
   void wait_blocks_done(uint64_t end, const std::string& what);
-  // Copies bytes from local rank `rank`'s address space, or into it; raises (and fails the
-  // channel) if the kernel refuses.
-  void read_peer(int rank, void* to, uint64_t from, size_t bytes, const std::string& what);
-  void write_peer(int rank, uint64_t to, const void* from, size_t bytes, const std::string& what);
-  // Tries to read and write a word in every peer's process; every rank does once all have
-  // attached, at its first call. Then reachable() says whether every rank could.
-  void probe_peers();
-  enum class Reach { Unknown, Yes, No };
-  Reach reachable() const;
-  // Whether this rank found it reaches every peer's memory (its own probe: no peer's verdict).
-  bool reaches_peers() const;
-  // Why this rank cannot reach a peer's memory, empty when it can (or has not tried).
-  const std::string& unreachable_because() const { return unreachable_because_; }
+  // Local rank `rank`'s words for reaching its memory (peer_memory.h), in its control block.
+  PeerMemoryWords& memory_words(int rank) const;
+  // Whether local rank `rank` runs in this rank's pid namespace, where its pid means its process.
+  bool same_pid_namespace(int rank) const;
 
   // What the segment starts with, and each rank's part of it (defined in the .cpp).
   struct Header;
@@ -181,12 +172,6 @@ class ShmChannel {
   // "1, 3": the process-group ranks of `ranks`.
   std::string numbers(RankSet ranks) const;
   void check_not_aborted() const;
-  // Copies bytes between local_bytes here and remote_address in local rank `rank`'s process
-  // with process_vm_readv or process_vm_writev; a refusal fails the channel, naming the cause.
-  using PeerCopy = ssize_t (*)(pid_t, const iovec*, unsigned long, const iovec*, unsigned long,
-                               unsigned long);
-  void copy_with_peer(PeerCopy copy, const char* verb, int rank, void* local_bytes,
-                      uint64_t remote_address, size_t bytes, const std::string& what);
   // What bounds a wait: the call's timeout, if one is set, else the channel's.
   std::chrono::milliseconds wait_timeout() const {
     return call_timeout_.count() > 0 ? call_timeout_ : timeout_;
@@ -204,9 +189,6 @@ class ShmChannel {
   std::string failure_;
   std::function<void(const std::string&)> on_fail_;
   Waiter waiter_;
-  // The word peers probe (probe_peers): this process's pid, at an address they read in control_.
-  uint64_t probe_word_;
-  std::string unreachable_because_;
   // The calling thread's time on a run queue (ns, -1: unknown) when last read, which thread,
   // and when: at least kDelaySpan apart.
   int64_t delay_at_ = -1;
