@@ -149,11 +149,13 @@ def check_allreduce_row(row: dict, gloo: dict, copy: dict | None = None) -> None
 
 
 def test_allreduce(tmp_path):
+    """(With 2 threads a rank: test_allreduce_gives_every_rank_its_threads_and_says_so's run.)"""
     engines = ["gloo", "ddpx", "ddpx-arena", "ddpx-fp16", "ddpx-bf16", "copy", "ddpx-oneshot",
                "ddpx-wide", "ddpx-timed"]
     sizes = [4096, 1024 * 1024]  # 1 MiB: four narrow steps or one wide one
-    options = "--sizes 4K,1M --iters 3 --min_time 0.05 --warmup 1".split()
+    options = "--sizes 4K,1M --iters 3 --min_time 0.05 --warmup 1 --threads 2".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--engines", ",".join(engines))
+    check_threads(document, stdout, "2")
 
     measured = list(dict.fromkeys(row["engine"] for row in document["rows"]))
     check_measured(engines, measured, document["left_out"])
@@ -175,10 +177,16 @@ def test_allreduce(tmp_path):
     assert sum(line.split()[:1] == ["2"] for line in stdout.splitlines()) == len(rows)
 
 
-@pytest.mark.parametrize("threads", ["2", pytest.param("default", marks=pytest.mark.slow)])
+# --threads 2 is test_allreduce's run, checked there.
+@pytest.mark.parametrize("threads", [pytest.param("default", marks=pytest.mark.slow)])
 def test_allreduce_gives_every_rank_its_threads_and_says_so(tmp_path, threads):
     options = "--sizes 2M --iters 3 --min_time 0.05 --warmup 1 --engines gloo,ddpx,copy".split()
     document, stdout = run_bench(tmp_path, "allreduce", *options, "--threads", threads)
+    check_threads(document, stdout, threads)
+
+
+def check_threads(document: dict, stdout: str, threads: str) -> None:
+    """The run gave every rank the threads `threads` asks for, and said so."""
     header = stdout.splitlines()[0]
     if threads == "2":
         assert document["machine"]["rank_threads"] == 2
@@ -605,11 +613,15 @@ def test_the_cores_check_plans_what_the_issue_asks_in_commands_the_tool_takes(mo
     ("--link 1gbit --load 1", "ddpx-bench: --load with --link"),
     ("--link 1gbit --runs 2", "ddpx-bench: --runs launches the ranks afresh"),
 ])
-def test_options_that_cannot_run_together_are_refused(options, message):
-    done = subprocess.run([*BENCH, "allreduce", *options.split()],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2  # refused as argparse refuses a usage, before anything runs
-    assert message in done.stderr
+def test_options_that_cannot_run_together_are_refused(options, message, capsys):
+    """In cli.parse_args, which main calls first (the console entry's test and the missing
+    numpy's run it as a user does)."""
+    from ddpx_bench import cli
+
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(["allreduce", *options.split()])
+    assert info.value.code == 2  # refused as argparse refuses a usage, before anything runs
+    assert message in capsys.readouterr().err
 
 
 def test_a_missing_numpy_is_refused_with_the_extra_that_installs_it():
@@ -621,8 +633,14 @@ def test_a_missing_numpy_is_refused_with_the_extra_that_installs_it():
     assert done.stderr.endswith('pip install "ddpx[bench]"\n'), done.stderr
 
 
-def test_help_lists_the_five_modes():
-    done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
+@pytest.fixture(scope="module")
+def help_run() -> subprocess.CompletedProcess:
+    """`ddpx-bench --help`, run once for the tests of what it prints."""
+    return subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_the_five_modes(help_run):
+    done = help_run
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ddpx-bench ")
     assert "{allreduce,collectives,train,fsdp,accuracy}" in done.stdout
@@ -651,8 +669,8 @@ def test_modes_lists_every_mode_file_and_each_has_a_short_help(capsys):
         assert len(help_text.splitlines()) < 80
 
 
-def test_help_is_short_and_the_cli_leaves_the_testbed_unloaded():
-    done = subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
+def test_help_is_short_and_the_cli_leaves_the_testbed_unloaded(help_run):
+    done = help_run
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.splitlines()) < 40
     probe = ("import sys, ddpx_bench.cli, ddpx_bench.launch; "
