@@ -1,11 +1,13 @@
 """Every line of code a user can copy from the README, run as written: its Python examples under
 torchrun (2 processes), ten launches each, every one ending cleanly; its commands in a shell,
-from a folder that sees the repository's scripts/, the multi-node one on two network-namespace
-hosts at the README's own addresses; its API and trainer lines in jobs that hold them verbatim
-(here, and in tests/test_trainers.py), the API table's signatures against the functions'; the
-install, test and results commands as .ci/run's own steps; the accelerate launch lines without a
-config in tests/test_scripts.py, the Arm run in a slow test. A line added to the README fails
-the first test until this file says what runs it."""
+from a folder that sees the repository's scripts/ (the scripts' launch lines in
+tests/test_scripts.py, with the scripts' checks), the multi-node one on two network-namespace
+hosts at the README's own addresses (in tests/tooling/test_docs.py, where docs/ give the same
+line); its API and trainer lines in jobs that hold them verbatim (here, and in
+tests/test_trainers.py), the API table's signatures against the functions'; the install, test
+and results commands as .ci/run's own steps; the accelerate launch lines without a config in
+tests/test_scripts.py, the Arm run in a slow test. A line added to the README fails the first
+test until this file says what runs it."""
 
 import inspect
 import operator
@@ -15,11 +17,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_docs import MULTINODE as DOCS_MULTINODE
 from test_faults import run_job
 
-from ddpx_bench import testbed
-
-from distributed import folder_with_scripts, run_on_two_hosts, torchrun
+from distributed import folder_with_scripts, torchrun
 from documents import code_block_commands
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,8 @@ RUN_HERE = {
     'python -c "import ddpx.settings as s; print(s.describe())"': "DDPX_BLOCK_KB=256 (",
     "ddpx-bench allreduce --quick": "quick mode: one launch,",
 }
-# Run on two hosts (node 0 as written; node 1 with its own --machine_rank, as the README says).
+# Run on two hosts (node 0 as written; node 1 with its own --machine_rank, as the README says)
+# by tests/tooling/test_docs.py, where docs/ gives the same line.
 MULTINODE = ("accelerate launch --config_file scripts/configs/multinode.yaml --machine_rank 0 "
              "--main_process_ip 10.0.0.1 --main_process_port 29500 scripts/basic.py")
 # The API table's signatures: each is its function's, checked with inspect.signature (API_JOB
@@ -167,6 +169,7 @@ def test_every_copyable_line_of_the_readme_is_run():
     assert sorted(set(lines)) == sorted(known), "a README line this file does not run, or gone"
     ci = (REPO / ".ci" / "run").read_text()
     assert [line for line in IN_CI if line not in ci] == []
+    assert MULTINODE in DOCS_MULTINODE
     assert [line for line, name in IN_TESTS.items()
             if f'"{line}"' not in (REPO / "tests" / name).read_text()] == []
     jobs = {name: (REPO / "tests" / name).read_text() for name in set(IN_JOBS.values()) if name}
@@ -254,13 +257,6 @@ def test_a_readme_command_runs_as_written(command, tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert RUN_HERE[command] in done.stdout, done.stdout + done.stderr
-
-
-@pytest.mark.skipif(testbed.unavailable() is not None, reason=str(testbed.unavailable()))
-def test_the_readme_multinode_command_runs_on_two_hosts(tmp_path):
-    outputs = run_on_two_hosts(
-        [MULTINODE, MULTINODE.replace("--machine_rank 0", "--machine_rank 1")], tmp_path)
-    assert "world size 4" in outputs[0] and "final loss" in outputs[0], outputs[0]
 
 
 def test_the_settings_table_is_the_registry():
