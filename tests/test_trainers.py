@@ -211,8 +211,8 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 
 import ddpx
 
-mode, out = sys.argv[1], f"{sys.argv[2]}/{sys.argv[1]}.pt"
-if mode != "default":
+modes, out = sys.argv[1].split(","), sys.argv[2]
+if modes != ["default"]:
     dist.init_process_group("ddpx")  # before the TrainingArguments: Accelerate uses it
 
 
@@ -229,29 +229,43 @@ class Data(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-torch.manual_seed(0)
-config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                    intermediate_size=64, max_position_embeddings=16, num_labels=3,
-                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-model = BertForSequenceClassification(config)
-args = TrainingArguments(output_dir=out + ".d", max_steps=5, per_device_train_batch_size=8,
-                         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant",
-                         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True,
-                         ddp_backend="gloo" if mode == "default" else None, seed=0,
-                         data_seed=0, disable_tqdm=True)
-trainer = Trainer(model=model, args=args, train_dataset=Data())
-if mode == "hook":
-    trainer.add_callback(ddpx.transformers.FusedHook(trainer))  # as the README writes it
-trainer.train()
-hook = next((c for c in trainer.callback_handler.callbacks
-             if isinstance(c, ddpx.transformers.FusedHook)), None)
-if dist.get_rank() == 0:
-    torch.save({"params": [p.detach().clone() for p in model.parameters()],
-                "backend": dist.get_backend(),
-                "routes": ddpx.backend_of().routes() if mode != "default" else None,
-                "hook": type(hook.state.engine).__name__ if hook is not None else None}, out)
-del trainer, model, hook
-gc.collect()
+def routes() -> dict:
+    return ddpx.backend_of().routes() if modes != ["default"] else {}
+
+
+# Each mode trains a fresh model in turn, on the same group; its routes are the calls since the
+# last mode's (the first's: all the process made).
+after = {}
+for mode in modes:
+    before = after
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=16,
+                        num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(config)
+    args = TrainingArguments(output_dir=f"{out}/{mode}.d", max_steps=5,
+                             per_device_train_batch_size=8, learning_rate=0.1, optim="sgd",
+                             lr_scheduler_type="constant", report_to=[], save_strategy="no",
+                             logging_strategy="no", use_cpu=True,
+                             ddp_backend="gloo" if mode == "default" else None, seed=0,
+                             data_seed=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Data())
+    if mode == "hook":
+        trainer.add_callback(ddpx.transformers.FusedHook(trainer))  # as the README writes it
+    trainer.train()
+    hook = next((c for c in trainer.callback_handler.callbacks
+                 if isinstance(c, ddpx.transformers.FusedHook)), None)
+    after = routes()
+    if dist.get_rank() == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()],
+                    "backend": dist.get_backend(),
+                    "routes": {name: {path: calls - before.get(name, {}).get(path, 0)
+                                      for path, calls in paths.items()}
+                               for name, paths in after.items()} if after else None,
+                    "hook": type(hook.state.engine).__name__ if hook is not None else None},
+                   f"{out}/{mode}.pt")
+    del trainer, model, hook
+    gc.collect()
 dist.destroy_process_group()
 '''
 
@@ -263,8 +277,14 @@ def hf_default(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf_backend(hf_default, tmp_path_factory):
-    return train("backend", tmp_path_factory.mktemp("hf-backend"), HF_JOB)["backend"]
+def hf_ddpx_runs(hf_default, tmp_path_factory):
+    """The Trainer on ddpx's backend, then with the fused hook: one launch, two trainings."""
+    return train("backend,hook", tmp_path_factory.mktemp("hf-ddpx"), HF_JOB)
+
+
+@pytest.fixture(scope="module")
+def hf_backend(hf_ddpx_runs):
+    return hf_ddpx_runs["backend"]
 
 
 def test_hf_trainer_on_the_ddpx_backend(hf_default, hf_backend):
@@ -276,8 +296,8 @@ def test_hf_trainer_on_the_ddpx_backend(hf_default, hf_backend):
     assert all(paths["gloo"] == 0 for paths in hf_backend["routes"].values()), hf_backend["routes"]
 
 
-def test_hf_trainer_with_the_fused_hook(hf_default, hf_backend, tmp_path):
-    result = train("hook", tmp_path, HF_JOB)["hook"]
+def test_hf_trainer_with_the_fused_hook(hf_default, hf_backend, hf_ddpx_runs):
+    result = hf_ddpx_runs["hook"]
     assert result["hook"] == "ShmEngine", result["hook"]
     assert_same_weights(result, hf_default)
     # The 5 steps' gradient buckets (one each) went through the hook, not the backend.
