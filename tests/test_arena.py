@@ -850,8 +850,11 @@ def job_shm(before: set[str]) -> set[str]:
             if name.startswith("ddpx-") or "arena" in name}
 
 
-# With 3 threads per rank, a survivor's helpers are mid-block when the peer dies.
-@pytest.mark.parametrize("how, threads", [("exit", 1), ("sigkill", 1), ("sigkill", 3)])
+# With 3 threads per rank, a survivor's helpers are mid-block when the peer dies. Each way of
+# dying and each thread count once by default; a SIGKILL with 1 thread -m slow.
+@pytest.mark.parametrize("how, threads", [("exit", 1),
+                                          pytest.param("sigkill", 1, marks=pytest.mark.slow),
+                                          ("sigkill", 3)])
 def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, threads, tmp_path):
     before = set(os.listdir("/dev/shm"))
     rc, out, _ = run_job(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)},

@@ -141,8 +141,10 @@ TRAIN_AND_DIE = """
 """
 
 
+# 4 ranks (on one node, or split into two): -m slow.
 @pytest.mark.parametrize("world, nodes",
-                         [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow), (4, 2)])
+                         [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow),
+                          pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_path):
     before = shm_segments()
     rc, out, elapsed = run_job(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)},
