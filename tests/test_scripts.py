@@ -175,15 +175,19 @@ def test_single_process(script):
     check_training(stdout, 1, "comm path: none (1 process")
 
 
-@pytest.mark.parametrize("script", ["basic.py", "checkpoint.py", "model_parallel.py"])
+def docstring_as_written(script: str) -> str:
+    return (SCRIPTS / script).read_text().split('"""')[1].replace("\\\\", "\\").strip()
+
+
+# checkpoint.py's: test_help_is_printed_once, from its launch.
+@pytest.mark.parametrize("script", ["basic.py", "model_parallel.py"])
 def test_help_shows_the_docstring_as_written(script):
     """--help prints the docstring, the launch manual, with the line breaks of its source: each
     launch command on lines of its own. (model_parallel.py ended lines in a lone backslash, which
     Python's string joined to the next, so its help ran two commands together.)"""
-    written = (SCRIPTS / script).read_text().split('"""')[1].replace("\\\\", "\\")
     result = finish([sys.executable, SCRIPTS / script, "--help"])
     assert result.returncode == 0, result.stderr
-    assert written.strip() in result.stdout, result.stdout
+    assert docstring_as_written(script) in result.stdout, result.stdout
 
 
 # The scripts share their parser (common.py's make_parser): one of them by default.
@@ -204,11 +208,14 @@ def test_a_flag_error_is_printed_once(script, flags, error):
 
 
 def test_help_is_printed_once():
+    """(And shows the docstring as written: test_help_shows_the_docstring_as_written's
+    checkpoint.py.)"""
     result = finish([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                      CPU_CONFIG, SCRIPTS / "checkpoint.py", "--help"])
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("usage: checkpoint.py ") == 1, result.stdout
     assert result.stdout.count("--use_accelerate_state ") == 1, result.stdout
+    assert docstring_as_written("checkpoint.py") in result.stdout, result.stdout
 
 
 def test_a_flag_error_is_printed_even_when_the_printing_rank_parses_last(tmp_path):
