@@ -21,8 +21,7 @@ using Place = std::function<void(int r, size_t lo, const char* from, size_t coun
 // and every rank places every peer's block.
 void allgather_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, const void* in,
                      size_t bytes, const Place& place, const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const size_t block = channel.layout().block_bytes;
+  const size_t block = comm.layout().block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
   const char* src = static_cast<const char*>(in);
   for (size_t b = 0; b < blocks; ++b) {
@@ -34,8 +33,8 @@ void allgather_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, con
           what);
     }
     if (count == 0) continue;
-    for (int r = 0; r < channel.size(); ++r) {
-      place(r, lo, r == channel.me() ? src + lo : channel.input_slot(r, step), count);
+    for (int r = 0; r < comm.local_ranks(); ++r) {
+      place(r, lo, r == comm.local_rank() ? src + lo : comm.input_slot(r, step), count);
     }
   }
 }
@@ -45,12 +44,11 @@ void allgather_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, con
 // in turn.
 void allgather_direct(NodeComm& comm, const Opening& opening, size_t bytes, void* const* outs,
                       Write write, const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const int n = channel.size();
-  const size_t piece = channel.layout().block_bytes;
+  const int n = comm.local_ranks();
+  const size_t piece = comm.layout().block_bytes;
   const size_t per_part = (bytes + piece - 1) / piece;
   std::atomic<size_t> next{0};
-  comm.run_threads(comm.threads_for(bytes * size_t(n)), [&](int) {
+  comm.workers().run(comm.threads_for(bytes * size_t(n)), [&](int) {
     for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < per_part * size_t(n);) {
       const int r = int(i / per_part);
       const size_t lo = i % per_part * piece, count = std::min(piece, bytes - lo);
@@ -71,10 +69,10 @@ void allgather_across_nodes(NodeComm& comm, const void* in, size_t bytes, int32_
   if (bytes == 0) return;
   CrossNode& link = comm.cross_node();
   const std::vector<int>& node_ranks = comm.node_ranks();
-  const size_t nodes = size_t(link.nodes()), ranks = size_t(comm.channel().size());
+  const size_t nodes = size_t(link.nodes()), ranks = size_t(comm.local_ranks());
   const size_t piece = cross_piece_bytes(bytes);
   // Piece [lo, lo + n) of every node's input lies at nodes x lo, node by node.
-  char* lane = comm.lane_buffer(bytes * nodes);
+  char* lane = comm.buffers().lanes(bytes * nodes);
   const char* src = static_cast<const char*>(in);
   for (size_t lo = 0; lo < bytes; lo += piece) {
     const size_t n = std::min(piece, bytes - lo);
@@ -111,8 +109,8 @@ void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype
   CallMeta mine =
       comm.begin_local(Collective::AllGather, int64_t(bytes), -1, 1.0, 0, what, torch_dtype);
   const Write write =
-      bytes * size_t(comm.channel().size()) >= kStreamBytes ? Write::Streaming : Write::Cached;
-  const size_t first_block = std::min(bytes, comm.channel().layout().block_bytes);
+      bytes * size_t(comm.local_ranks()) >= kStreamBytes ? Write::Streaming : Write::Cached;
+  const size_t first_block = std::min(bytes, comm.layout().block_bytes);
   const Opening opening = open_call(
       comm, mine, in, bytes, OpenRule{},
       [&](char* slot) { kernels().copy(slot, in, first_block, Write::Cached); }, what);

@@ -50,7 +50,6 @@ struct Blocks {
 // What an all-reduce does at every block: the blocks, the call's description, and how.
 struct AllreduceCall {
   NodeComm& comm;
-  ShmChannel& channel;
   Blocks blocks;
   CallMeta meta;
   SumRule rule;
@@ -79,9 +78,9 @@ void fill_block(const AllreduceCall& call, int64_t b, char* slot) {
 // returns its step.
 uint64_t arrive(const AllreduceCall& call, int64_t b) {
   const uint64_t step = call.comm.next_step();
-  fill_block(call, b, call.channel.input_slot(call.blocks.me, step));
-  call.channel.publish(Phase::Arrive, step);
-  call.channel.wait_all(Phase::Arrive, step, call.what, call.wide);
+  fill_block(call, b, call.comm.input_slot(call.blocks.me, step));
+  call.comm.publish(Phase::Arrive, step);
+  call.comm.wait_all(Phase::Arrive, step, call.what, call.wide);
   return step;
 }
 
@@ -101,7 +100,7 @@ void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, 
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
   for (int r = 0; r < x.ranks; ++r) {
-    srcs[r] = call.channel.input_slot(r, step) + size_t(lo) * x.wire_size;
+    srcs[r] = call.comm.input_slot(r, step) + size_t(lo) * x.wire_size;
   }
   if (call.own_slice_direct) srcs[x.me] = x.at(b) + size_t(lo) * x.data_size;
   kernels().reduce(out, x.acc, srcs, x.ranks, x.wire, hi - lo, 1.0, Write::Cached);
@@ -110,9 +109,9 @@ void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, 
 // Publishes this rank's slice of the output slot, waits for the others', copies the block out.
 void copy_out(const AllreduceCall& call, uint64_t step, int64_t b) {
   const Blocks& x = call.blocks;
-  call.channel.publish(Phase::Reduce, step);
-  call.channel.wait_all(Phase::Reduce, step, call.what, call.wide);
-  kernels().convert(x.at(b), x.dtype, call.channel.output_slot(step), x.acc, x.elements(b),
+  call.comm.publish(Phase::Reduce, step);
+  call.comm.wait_all(Phase::Reduce, step, call.what, call.wide);
+  kernels().convert(x.at(b), x.dtype, call.comm.output_slot(step), x.acc, x.elements(b),
                     call.rule.sum_scale, call.out_write);
 }
 
@@ -160,25 +159,25 @@ void sum_block_for_all(const AllreduceCall& call, const Blocks& x, const PeerDat
 // claimed by every thread of the rank (workers.h): each sums a block as the rank would, so the bits
 // are the same whichever thread of whichever rank summed it.
 void allreduce_claimed(AllreduceCall& call, const Opening& opening) {
-  ShmChannel& channel = call.channel;
+  NodeComm& comm = call.comm;
   Blocks x = call.blocks;
   x.per_block =
-      int64_t(shared_block_bytes(channel.layout(), size_t(x.numel) * x.wire_size) / x.wire_size);
+      int64_t(shared_block_bytes(comm.layout(), size_t(x.numel) * x.wire_size) / x.wire_size);
   x.n = x.numel == 0 ? 1 : (x.numel + x.per_block - 1) / x.per_block;
-  AllreduceBuffers& buffers = call.comm.allreduce_buffers();
+  CallBuffers& buffers = comm.buffers();
   const uint64_t first = buffers.shared_blocks, end = first + uint64_t(x.n);
   buffers.shared_blocks = end;
   const auto claim = [&](int thread) {
-    std::vector<char>& scratch = call.comm.scratch(thread);
+    std::vector<char>& scratch = comm.workers().scratch(thread);
     uint64_t block = 0;
-    while (channel.claim_block(end, &block)) {
+    while (comm.claim_block(end, &block)) {
       sum_block_for_all(call, x, opening.peers, int64_t(block - first), scratch);
-      channel.block_done(end);
+      comm.block_done(end);
     }
   };
-  const int threads = call.comm.threads_for(size_t(x.numel) * x.wire_size);
-  call.comm.run_threads(int(std::min<int64_t>(x.n, threads)), claim);
-  channel.wait_blocks_done(end, call.what);
+  const int threads = comm.threads_for(size_t(x.numel) * x.wire_size);
+  comm.workers().run(int(std::min<int64_t>(x.n, threads)), claim);
+  comm.wait_blocks_done(end, call.what);
 }
 
 // Through the slots, one block a step (the first at step `carried` where the call's opening carried
@@ -190,13 +189,13 @@ void allreduce_slots(const AllreduceCall& call, bool one_shot, uint64_t carried)
     const uint64_t step = b == 0 && carried != 0 ? carried : arrive(call, b);
     const int64_t count = x.elements(b);
     if (one_shot) {
-      for (int r = 0; r < x.ranks; ++r) srcs[r] = call.channel.input_slot(r, step);
+      for (int r = 0; r < x.ranks; ++r) srcs[r] = call.comm.input_slot(r, step);
       kernels().reduce(x.at(b), x.dtype, srcs, x.ranks, x.wire, count, call.rule.sum_scale,
                        call.out_write);
       continue;
     }
     const auto [lo, hi] = x.slice(count);
-    sum_slice(call, step, b, lo, hi, call.channel.output_slot(step) + size_t(lo) * x.acc_size);
+    sum_slice(call, step, b, lo, hi, call.comm.output_slot(step) + size_t(lo) * x.acc_size);
     copy_out(call, step, b);
   }
 }
@@ -222,7 +221,7 @@ void allreduce_across_nodes(AllreduceCall& call) {
     return (x.n - 1) * full_slice + (hi - lo);
   };
   const int64_t total = slice_offset(x.n);
-  std::shared_ptr<std::vector<char>>& node_sums = comm.allreduce_buffers().node_sums;
+  std::shared_ptr<std::vector<char>>& node_sums = comm.buffers().node_sums;
   if (!node_sums || node_sums->size() < size_t(total) * x.acc_size) {
     node_sums = std::make_shared<std::vector<char>>(size_t(total) * x.acc_size);
   }
@@ -241,7 +240,7 @@ void allreduce_across_nodes(AllreduceCall& call) {
     for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
       const uint64_t step = comm.next_step();
       const auto [lo, hi] = x.slice(x.elements(b));
-      kernels().convert(call.channel.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
+      kernels().convert(call.comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
                         x.acc, hi - lo, 1.0, Write::Cached);
       copy_out(call, step, b);
     }
@@ -277,17 +276,16 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   ScheduleChoice& choice = comm.schedule();
   const CallMeta meta =
       comm.begin(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale, 0);
-  ShmChannel& channel = comm.channel();
   const size_t wire_size = dtype_size(wire);
   const size_t bytes = size_t(numel) * wire_size;
   const Schedule schedule = choice.schedule_for(bytes);
-  const int timed = channel.me() == 0 ? choice.timed_class(bytes, schedule) : -1;
+  const int timed = comm.local_rank() == 0 ? choice.timed_class(bytes, schedule) : -1;
   // A call's time, as local rank 0 times the schedules, leaves out its wait for the ranks to
   // arrive at the first step: that is the skew the calls before left, which one-shot calls,
   // ending without a synchronisation, pass on to whichever call comes next.
   const auto started = Clock::now();
   const bool wide = schedule == ScheduleChoice::kWide;
-  const ShmLayout& layout = channel.layout();
+  const ShmLayout& layout = comm.layout();
   const int64_t per_block = int64_t((wide ? layout.wide_bytes : layout.block_bytes) / wire_size);
   // Two-phase sums stay in the accumulation dtype in shared memory, so a result is rounded into
   // the tensor's dtype once, and is the same bits whichever schedule reduced it.
@@ -302,8 +300,8 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
                       dtype_size(dtype),
                       wire_size,
                       dtype_size(acc),
-                      channel.size(),
-                      channel.me()};
+                      comm.local_ranks(),
+                      comm.local_rank()};
   const Write out_write =
       size_t(numel) * blocks.data_size >= kStreamBytes ? Write::Streaming : Write::Cached;
   const bool one_shot = schedule == ScheduleChoice::kOneShot;
@@ -313,7 +311,7 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   // ranks. Only for a tensor that fits in the cache: from memory, reading it in the sum is slower
   // than copying it in first.
   const bool own_slice_direct = !one_shot && wire == dtype && out_write == Write::Cached;
-  AllreduceCall call{comm, channel,          blocks,    meta, SumRule(dtype, wire, scale),
+  AllreduceCall call{comm, blocks,           meta,      SumRule(dtype, wire, scale),
                      wide, own_slice_direct, out_write, what};
   if (comm.spans_nodes()) {
     allreduce_across_nodes(call);

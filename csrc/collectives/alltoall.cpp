@@ -15,12 +15,11 @@ namespace {
 void alltoall_in_node(NodeComm& comm, const CallMeta& mine, bool first, const void* const* ins,
                       const size_t* sends, void* const* outs, const size_t* receives,
                       size_t longest, const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const int me = channel.me();
+  const int me = comm.local_rank();
   const Kernels& k = kernels();
-  const int n = channel.size();
+  const int n = comm.local_ranks();
   // Each step's slot holds one part per destination rank, whole cache lines each.
-  const size_t part = channel.layout().block_bytes / size_t(n) / 64 * 64;
+  const size_t part = comm.layout().block_bytes / size_t(n) / 64 * 64;
   const size_t steps = longest == 0 ? 1 : (longest + part - 1) / part;
   size_t total = 0;
   for (int r = 0; r < n; ++r) total += receives[r];
@@ -46,7 +45,7 @@ void alltoall_in_node(NodeComm& comm, const CallMeta& mine, bool first, const vo
       const size_t count = piece(receives[r], lo);
       if (count == 0) continue;
       const char* from = r == me ? static_cast<const char*>(ins[me]) + lo
-                                 : channel.input_slot(r, step) + size_t(me) * part;
+                                 : comm.input_slot(r, step) + size_t(me) * part;
       char* to = static_cast<char*>(outs[r]) + lo;
       if (to != from) k.copy(to, from, count, write);
     }
@@ -62,11 +61,11 @@ void alltoall_across_nodes(NodeComm& comm, const void* const* ins, void* const* 
       comm.begin(Collective::AllToAll, int64_t(bytes), -1, -1, 1.0, 0, torch_dtype);
   CrossNode& link = comm.cross_node();
   const std::vector<int>& node_ranks = comm.node_ranks();
-  const size_t nodes = size_t(link.nodes()), ranks = size_t(comm.channel().size());
+  const size_t nodes = size_t(link.nodes()), ranks = size_t(comm.local_ranks());
   const size_t piece = cross_piece_bytes(bytes);
   // Piece [lo, lo + n) of what crosses lies at nodes x ranks x lo, node by node, rank by rank;
   // so does what comes back.
-  char* dealt = comm.lane_buffer(2 * nodes * ranks * bytes);
+  char* dealt = comm.buffers().lanes(2 * nodes * ranks * bytes);
   char* received = dealt + nodes * ranks * bytes;
   const size_t here = size_t(link.node());
   std::vector<const void*> node_ins(ranks);

@@ -17,9 +17,8 @@ namespace {
 // and every other rank copies it out.
 void broadcast_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, void* data,
                      size_t bytes, int root, const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const int me = channel.me();
-  const size_t block = channel.layout().block_bytes;
+  const int me = comm.local_rank();
+  const size_t block = comm.layout().block_bytes;
   const size_t blocks = bytes == 0 ? 1 : (bytes + block - 1) / block;
   const Kernels& k = kernels();
   const Write write = bytes >= kStreamBytes ? Write::Streaming : Write::Cached;
@@ -35,7 +34,7 @@ void broadcast_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, voi
           },
           what);
     }
-    if (me != root) k.copy(bytes_at + lo, channel.input_slot(root, step), count, write);
+    if (me != root) k.copy(bytes_at + lo, comm.input_slot(root, step), count, write);
   }
 }
 
@@ -44,7 +43,7 @@ void broadcast_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, voi
 void broadcast_direct(NodeComm& comm, const Opening& opening, void* data, size_t bytes, int root,
                       const std::string& what) {
   char* to = static_cast<char*>(data);
-  if (comm.channel().me() != root && bytes > 0) {
+  if (comm.local_rank() != root && bytes > 0) {
     const char* from = opening.peers.view(root, 0, bytes, to);
     if (from != to) {
       kernels().copy(to, from, bytes, bytes >= kStreamBytes ? Write::Streaming : Write::Cached);
@@ -57,12 +56,12 @@ void broadcast_across_nodes(NodeComm& comm, void* data, size_t bytes, int32_t to
                             const std::string& what) {
   const CallMeta mine = comm.begin_checked_across_nodes(Collective::Broadcast, int64_t(bytes), -1,
                                                         -1, 1.0, root, torch_dtype, what);
-  const int ranks = comm.channel().size();
+  const int ranks = comm.local_ranks();
   const std::vector<int>& node_ranks = comm.node_ranks();
   const auto at = std::find(node_ranks.begin(), node_ranks.end(), root) - node_ranks.begin();
   const int root_node = int(at / ranks), root_local = int(at % ranks);
   if (bytes == 0) return;
-  if (comm.channel().me() == root_local) {
+  if (comm.local_rank() == root_local) {
     comm.across("transfer", what, [&] { comm.cross_node().broadcast(data, bytes, root_node); });
   }
   broadcast_slots(comm, mine, 0, data, bytes, root_local, what);
@@ -80,8 +79,8 @@ void broadcast(NodeComm& comm, void* data, size_t bytes, int32_t torch_dtype, in
   }
   CallMeta mine =
       comm.begin_local(Collective::Broadcast, int64_t(bytes), -1, 1.0, root, what, torch_dtype);
-  const bool mine_is_read = comm.channel().me() == root;
-  const size_t first_block = std::min(bytes, comm.channel().layout().block_bytes);
+  const bool mine_is_read = comm.local_rank() == root;
+  const size_t first_block = std::min(bytes, comm.layout().block_bytes);
   const Opening opening = open_call(
       comm, mine, mine_is_read ? data : nullptr, bytes, OpenRule{root},
       [&](char* slot) {

@@ -41,13 +41,7 @@ void NodeComm::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chun
 void NodeComm::set_threads(int threads) {
   TORCH_CHECK_VALUE(threads >= 1, "ddpx: a rank needs at least one thread, got ", threads);
   workers_.resize(threads);
-  scratch_.resize(size_t(threads));
   schedule_.set_threads(threads);
-}
-
-void NodeComm::run_threads(int threads, const std::function<void(int)>& task) {
-  workers_.run(threads, task);
-  if (threads > 1) threaded_calls_.fetch_add(1, std::memory_order_relaxed);
 }
 
 int NodeComm::group_size() const { return cross_node_ ? int(node_ranks_.size()) : channel_.size(); }
@@ -266,11 +260,6 @@ std::string NodeComm::unmapped_because() const {
 void NodeComm::finish_reads(uint64_t step, const std::string& what) {
   channel_.publish(ShmChannel::Phase::Reduce, step);
   channel_.wait_all(ShmChannel::Phase::Reduce, step, what);
-}
-
-char* NodeComm::lane_buffer(size_t bytes) {
-  if (lane_buffer_.size() < bytes) lane_buffer_.resize(bytes);
-  return lane_buffer_.data();
 }
 
 }  // namespace ddpx

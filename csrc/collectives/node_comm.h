@@ -39,11 +39,20 @@ enum class Collective : int32_t {
 // Results at least this large go out with streaming stores: they would not stay in the cache.
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
-// What the all-reduce keeps from one call to the next.
-struct AllreduceBuffers {
-  uint64_t shared_blocks = 0;  // the blocks of the shared calls so far
-  // This rank's slices summed within the node, then across nodes; shared with the transfers.
+// What the collectives keep from one call to the next.
+struct CallBuffers {
+  uint64_t shared_blocks = 0;  // the blocks of the all-reduce's shared calls so far
+  // This rank's slices of an all-reduce summed within the node, then across nodes; shared with
+  // the transfers.
   std::shared_ptr<std::vector<char>> node_sums;
+  // What a collective other than the all-reduce trades across nodes, grown as needed.
+  char* lanes(size_t bytes) {
+    if (lanes_.size() < bytes) lanes_.resize(bytes);
+    return lanes_.data();
+  }
+
+ private:
+  std::vector<char> lanes_;
 };
 
 class NodeComm {
@@ -67,28 +76,40 @@ class NodeComm {
   int group_size() const;
   int group_rank() const;
 
+  // The node's ranks and the channel's slots and waits, as the collectives use them.
+  int local_ranks() const { return channel_.size(); }
+  int local_rank() const { return channel_.me(); }
+  const ShmLayout& layout() const { return channel_.layout(); }
+  char* input_slot(int rank, uint64_t step) const { return channel_.input_slot(rank, step); }
+  char* output_slot(uint64_t step) const { return channel_.output_slot(step); }
+  void publish(ShmChannel::Phase phase, uint64_t step) { channel_.publish(phase, step); }
+  void wait_all(ShmChannel::Phase phase, uint64_t step, const std::string& what,
+                bool wide = false) {
+    channel_.wait_all(phase, step, what, wide);
+  }
+  bool claim_block(uint64_t end, uint64_t* block) { return channel_.claim_block(end, block); }
+  void block_done(uint64_t end) { channel_.block_done(end); }
+  void wait_blocks_done(uint64_t end, const std::string& what) {
+    channel_.wait_blocks_done(end, what);
+  }
+  // The channel itself, for the engine's reports and the call's opening (opening.h).
   ShmChannel& channel() { return channel_; }
   const ShmChannel& channel() const { return channel_; }
   const PeerMemory& peer_memory() const { return memory_; }
   ScheduleChoice& schedule() { return schedule_; }
   const ScheduleChoice& schedule() const { return schedule_; }
-  AllreduceBuffers& allreduce_buffers() { return allreduce_buffers_; }
-  // The threads that share a large call's blocks: this one and the helpers. Only between calls.
+  CallBuffers& buffers() { return buffers_; }
+  // The threads that share a large call's blocks: this one and the helpers, with their scratch.
+  // Resized only between calls.
   void set_threads(int threads);
+  Workers& workers() { return workers_; }
+  const Workers& workers() const { return workers_; }
   int threads() const { return workers_.threads(); }
   // How many threads a call that moves this many bytes runs on: the rank's from
   // ScheduleChoice::kThreadedBytes, one below.
   int threads_for(size_t bytes) const {
     return bytes >= ScheduleChoice::kThreadedBytes ? threads() : 1;
   }
-  // Runs task(0) .. task(threads - 1) on as many of the rank's threads (Workers::run), and counts
-  // the call as threaded where they were several.
-  void run_threads(int threads, const std::function<void(int)>& task);
-  // The calls so far that several of this rank's threads worked on.
-  uint64_t threaded_calls() const { return threaded_calls_.load(std::memory_order_relaxed); }
-  // Thread `thread`'s scratch, where a collective puts what it reads of a peer's tensor through the
-  // kernel (process_vm_readv).
-  std::vector<char>& scratch(int thread) { return scratch_[size_t(thread)]; }
   // The collectives so far that read every peer's tensor where it lay in its arena.
   uint64_t zero_copy_calls() const { return zero_copy_calls_.load(std::memory_order_relaxed); }
   void count_zero_copy() { zero_copy_calls_.fetch_add(1, std::memory_order_relaxed); }
@@ -128,8 +149,6 @@ class NodeComm {
   // Runs a transfer between the nodes; its failure fails the engine, on every rank, as "the
   // <kind> across nodes of <what> failed".
   void across(const char* kind, const std::string& what, const std::function<void()>& transfer);
-  // What a collective other than the all-reduce trades across nodes, grown as needed.
-  char* lane_buffer(size_t bytes);
 
   // Local rank r's arena chunk that a call's first step says place lies in, mapped here (arena.h);
   // null where the rank posted none or the chunk cannot be mapped (then its data is reached
@@ -161,13 +180,10 @@ class NodeComm {
   std::shared_ptr<CrossNode> cross_node_;
   size_t chunk_bytes_ = 0;
   std::vector<int> node_ranks_;
-  std::vector<char> lane_buffer_;
   mutable std::mutex unmapped_mu_;  // describe() reads it from the caller's thread
   std::string unmapped_because_;
-  AllreduceBuffers allreduce_buffers_;
+  CallBuffers buffers_;
   Workers workers_;
-  std::vector<std::vector<char>> scratch_{1};
-  std::atomic<uint64_t> threaded_calls_{0};
   std::atomic<uint64_t> zero_copy_calls_{0};
 };
 

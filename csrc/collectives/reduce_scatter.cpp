@@ -16,10 +16,11 @@ namespace ddpx {
 namespace {
 
 // How many elements of each destination rank's part a slot holds: whole cache lines each.
-int64_t slot_part(const ShmChannel& channel, DType wire) {
+int64_t slot_part(const NodeComm& comm, DType wire) {
   const size_t wire_size = dtype_size(wire);
   const int64_t line = int64_t(64 / wire_size);
-  return int64_t(channel.layout().block_bytes / (wire_size * size_t(channel.size()))) / line * line;
+  return int64_t(comm.layout().block_bytes / (wire_size * size_t(comm.local_ranks()))) / line *
+         line;
 }
 
 // Writes elements [lo, lo + todo) of each destination rank's part into slot, one part of
@@ -42,11 +43,10 @@ void reduce_scatter_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried
                           const void* const* ins, DType dtype, void* out, DType out_dtype,
                           DType wire, int64_t count, double input_scale, double sum_scale,
                           const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const int me = channel.me();
-  const int n = channel.size();
+  const int me = comm.local_rank();
+  const int n = comm.local_ranks();
   const size_t wire_size = dtype_size(wire);
-  const int64_t part = slot_part(channel, wire);
+  const int64_t part = slot_part(comm, wire);
   const int64_t steps = count == 0 ? 1 : (count + part - 1) / part;
   const size_t out_size = dtype_size(out_dtype);
   const Write write = size_t(count) * out_size >= kStreamBytes ? Write::Streaming : Write::Cached;
@@ -63,7 +63,7 @@ void reduce_scatter_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried
     }
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) {
-      srcs[r] = channel.input_slot(r, step) + size_t(me * part) * wire_size;
+      srcs[r] = comm.input_slot(r, step) + size_t(me * part) * wire_size;
     }
     kernels().reduce(dst + size_t(lo) * out_size, out_dtype, srcs, n, wire, todo, sum_scale, write);
   }
@@ -76,17 +76,16 @@ void reduce_scatter_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried
 void reduce_scatter_direct(NodeComm& comm, const Opening& opening, DType dtype, void* out,
                            DType wire, int64_t count, const SumRule& rule,
                            const std::string& what) {
-  ShmChannel& channel = comm.channel();
-  const int n = channel.size(), me = channel.me();
+  const int n = comm.local_ranks(), me = comm.local_rank();
   const Kernels& k = kernels();
   const size_t size = dtype_size(dtype), wire_size = dtype_size(wire);
   const size_t mine_at = size_t(me) * size_t(count) * size;  // this rank's part in every input
   const bool converted = wire != dtype;
-  const int64_t per = std::max<int64_t>(1, int64_t(channel.layout().block_bytes / size));
+  const int64_t per = std::max<int64_t>(1, int64_t(comm.layout().block_bytes / size));
   const Write write = size_t(count) * size >= kStreamBytes ? Write::Streaming : Write::Cached;
   std::atomic<int64_t> next{0};
-  comm.run_threads(comm.threads_for(size_t(count) * size * size_t(n)), [&](int thread) {
-    std::vector<char>& scratch = comm.scratch(thread);
+  comm.workers().run(comm.threads_for(size_t(count) * size * size_t(n)), [&](int thread) {
+    std::vector<char>& scratch = comm.workers().scratch(thread);
     scratch.resize(size_t(n) * size_t(per) * (size + (converted ? wire_size : 0)));
     const void* srcs[kMaxLocalRanks];
     for (int64_t lo; (lo = next.fetch_add(per, std::memory_order_relaxed)) < count;) {
@@ -128,14 +127,14 @@ void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* o
   const SumRule rule(dtype, wire, scale);
   CrossNode& link = comm.cross_node();
   const std::vector<int>& node_ranks = comm.node_ranks();
-  const int nodes = link.nodes(), ranks = comm.channel().size();
+  const int nodes = link.nodes(), ranks = comm.local_ranks();
   const DType acc = SumRule::accumulation(dtype);
   const size_t size = dtype_size(dtype), acc_size = dtype_size(acc);
   const int64_t piece =
       std::max<int64_t>(1, int64_t(cross_piece_bytes(size_t(count) * acc_size) / acc_size));
   // Piece [lo, lo + n) of every node's sums lies at nodes x lo, node by node; so do the sums
   // the other nodes send back.
-  char* sums = comm.lane_buffer(2 * size_t(count) * acc_size * size_t(nodes));
+  char* sums = comm.buffers().lanes(2 * size_t(count) * acc_size * size_t(nodes));
   char* received = sums + size_t(count) * acc_size * size_t(nodes);
   std::vector<const void*> node_ins(static_cast<size_t>(ranks));
   for (int64_t lo = 0; lo == 0 || lo < count; lo += piece) {
@@ -149,7 +148,7 @@ void reduce_scatter_across_nodes(NodeComm& comm, const void* const* ins, void* o
       // The call's first step carries the first slot of node 0's parts and checks the call.
       uint64_t carried = 0;
       if (lo == 0 && node == 0) {
-        const int64_t part = slot_part(comm.channel(), wire);
+        const int64_t part = slot_part(comm, wire);
         carried = open_call(
                       comm, mine, nullptr, 0, OpenRule{},
                       [&](char* slot) {
@@ -198,11 +197,11 @@ void reduce_scatter(NodeComm& comm, const void* const* ins, void* out, DType dty
       comm.begin_local(Collective::ReduceScatter, count, int32_t(dtype), scale, 0, what);
   mine.wire = int32_t(wire);
   const SumRule rule(dtype, wire, scale);
-  const int n = comm.channel().size();
+  const int n = comm.local_ranks();
   const size_t part_bytes = size_t(count) * dtype_size(dtype);
   // Peers read this rank's input where it lies only where its parts lie one after another.
   const bool contiguous = one_after_another(ins, n, part_bytes);
-  const int64_t part = slot_part(comm.channel(), wire);
+  const int64_t part = slot_part(comm, wire);
   const Opening opening = open_call(
       comm, mine, contiguous ? ins[0] : nullptr, size_t(n) * part_bytes, OpenRule{},
       [&](char* slot) {

@@ -15,6 +15,7 @@ void Workers::resize(int threads) {
   start_.notify_all();
   for (std::thread& helper : helpers_) helper.join();
   helpers_.clear();
+  scratch_.resize(size_t(threads));
   stopping_ = false;
   for (int index = 1; index < threads; ++index)
     helpers_.emplace_back([this, index] { loop(index); });
@@ -48,6 +49,7 @@ void Workers::run(int n, const std::function<void(int)>& task) {
     task(0);
     return;
   }
+  threaded_runs_.fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mu_);
     task_ = &task;

@@ -3,6 +3,7 @@
 // for, and none while it is small, so an idle engine takes no CPU from the training around it.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -26,6 +27,11 @@ class Workers {
   // Runs task(0) on the calling thread and task(1) .. task(n - 1) on as many helpers (n at most
   // threads()); returns once every one has returned, rethrowing the first exception any raised.
   void run(int n, const std::function<void(int)>& task);
+  // The runs so far that several threads worked on.
+  uint64_t threaded_runs() const { return threaded_runs_.load(std::memory_order_relaxed); }
+  // Thread `thread`'s scratch, where a collective puts what it reads of a peer's tensor through
+  // the kernel (process_vm_readv). Only during a run, by that thread.
+  std::vector<char>& scratch(int thread) { return scratch_[size_t(thread)]; }
 
  private:
   void loop(int index);
@@ -39,6 +45,8 @@ class Workers {
   bool stopping_ = false;
   std::exception_ptr error_;
   std::vector<std::thread> helpers_;
+  std::vector<std::vector<char>> scratch_{1};
+  std::atomic<uint64_t> threaded_runs_{0};
 };
 
 }  // namespace ddpx

@@ -199,7 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             e.run([threads](NodeComm& comm) { comm.set_threads(threads); });
           })
       .def_property_readonly("threaded_calls",
-                             [](ShmEngine& e) { return e.comm().threaded_calls(); })
+                             [](ShmEngine& e) { return e.comm().workers().threaded_runs(); })
       .def_property_readonly("zero_copy_calls",
                              [](ShmEngine& e) { return e.comm().zero_copy_calls(); })
       .def_property_readonly("numa", &ShmEngine::numa)
