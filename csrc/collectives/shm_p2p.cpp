@@ -127,6 +127,7 @@ struct ShmPointToPoint::State {
   // What callers post; the movers adopt it at their next pass.
   std::mutex post_mu;
   std::vector<std::shared_ptr<Op>> posted;
+  std::string stopped_because;  // once stopped: what every op posted after fails with
 
   // The movers' state, one mover at a time.
   std::mutex mu;
@@ -205,9 +206,15 @@ struct ShmPointToPoint::State {
   }
 
   void post(const std::shared_ptr<Op>& op) {
+    std::string refused;
     {
       std::lock_guard<std::mutex> lock(post_mu);
-      posted.push_back(op);
+      refused = stopped_because;
+      if (refused.empty()) posted.push_back(op);
+    }
+    if (!refused.empty()) {
+      op->future->setError(dist_error(refused));
+      return;
     }
     {
       std::lock_guard<std::mutex> lock(thread_mu);
@@ -504,7 +511,8 @@ struct ShmPointToPoint::State {
     check_stalled();
   }
 
-  void stop() {
+  // Fails every pending send and receive, and every one posted after, with why.
+  void stop(const std::string& why) {
     Done done;
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -512,6 +520,7 @@ struct ShmPointToPoint::State {
       std::vector<std::shared_ptr<Op>> ops;
       {
         std::lock_guard<std::mutex> post_lock(post_mu);
+        stopped_because = why;
         ops.swap(posted);
       }
       for (auto& queue : sends) ops.insert(ops.end(), queue.begin(), queue.end());
@@ -520,8 +529,8 @@ struct ShmPointToPoint::State {
         if (in.op) ops.push_back(in.op);
       }
       for (auto& op : ops) {
-        done.push_back({op, "ddpx: the process group was destroyed while this " +
-                                std::string(op->is_send ? "send" : "receive") + " was pending"});
+        done.push_back({op, why + " while this " + std::string(op->is_send ? "send" : "receive") +
+                                " was pending"});
       }
     }
     finish(done);
@@ -625,8 +634,10 @@ ShmPointToPoint::~ShmPointToPoint() {
   state_->thread_cv.notify_one();
   state_->ring_bell(state_->me);
   worker_.join();
-  state_->stop();
+  state_->stop("ddpx: the process group was destroyed");
 }
+
+void ShmPointToPoint::abort(const std::string& why) { state_->stop(why); }
 
 namespace {
 

@@ -42,6 +42,9 @@ class ShmPointToPoint {
   explicit ShmPointToPoint(const ShmChannel& channel);
   // Fails every send and receive still pending, then stops the thread.
   ~ShmPointToPoint();
+  // Fails every send and receive pending, and every one after, with why (ProcessGroup.abort());
+  // from any thread.
+  void abort(const std::string& why);
   ShmPointToPoint(const ShmPointToPoint&) = delete;
   ShmPointToPoint& operator=(const ShmPointToPoint&) = delete;
 

@@ -73,19 +73,35 @@ void ShmEngine::shutdown() {
     queue_->stopping = true;
   }
   queue_->cv.notify_all();
-  if (!worker_.joinable()) return;
-  if (worker_.get_id() == std::this_thread::get_id()) {
+  if (worker_.joinable() && worker_.get_id() == std::this_thread::get_id()) {
     worker_.detach();  // it holds the queue and ends after its current job
-  } else if (Py_IsInitialized() && PyGILState_Check()) {
+    return;
+  }
+  if (worker_.joinable() && Py_IsInitialized() && PyGILState_Check()) {
     // A backend that Python frees gets here holding the GIL, which the worker may need to drop
     // the last reference to a finished job's tensors: joining with it held would never end.
     PyThreadState* state = PyEval_SaveThread();
     worker_.join();
     PyEval_RestoreThread(state);
-  } else {
+  } else if (worker_.joinable()) {
     worker_.join();
   }
+  const std::lock_guard<std::mutex> lock(queue_->mu);
+  queue_->comm.reset();
+  cross_node_.reset();
 }
+
+void ShmEngine::abort(const std::string& why) {
+  const std::lock_guard<std::mutex> lock(queue_->mu);
+  if (queue_->comm) queue_->comm->channel().abort(why);
+}
+
+NodeComm& ShmEngine::comm() {
+  TORCH_CHECK(queue_->comm, "ddpx: the engine was shut down (its process group was destroyed)");
+  return *queue_->comm;
+}
+
+const NodeComm& ShmEngine::comm() const { return const_cast<ShmEngine*>(this)->comm(); }
 
 void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request) {
   const std::string why = invalid_input(input, request, c10::DeviceType::CPU);
@@ -170,9 +186,12 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
   }
 }
 
-bool ShmEngine::serves_arena() const { return !cross_node_ && Arena::process().usable(); }
+bool ShmEngine::serves_arena() const {
+  return queue_->comm && !cross_node_ && Arena::process().usable();
+}
 
 std::string ShmEngine::describe() const {
+  if (!queue_->comm) return "ddpx shared-memory engine, shut down";
   std::ostringstream out;
   const NodeComm& comm = *queue_->comm;
   const ShmChannel& channel = comm.channel();

@@ -76,12 +76,20 @@ class ShmEngine final : public Engine {
   c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
   bool serves_arena() const override;
+  // Stops the communication thread once its current job ends and releases the communicator:
+  // its helper threads, the segment's mapping and the link to other nodes with its threads.
+  // Every call after raises.
   void shutdown() override;
+  // ProcessGroup.abort(), from any thread: the call in flight and every queued and later one
+  // raise why, on this rank and, within the node, its peers (ShmChannel::abort).
+  void abort(const std::string& why);
   // Bytes this rank has sent to other nodes so far (CrossNode::bytes_sent); zero on one node.
   uint64_t cross_node_bytes() const;
-  ShmChannel::WaitStats wait_stats() const { return queue_->comm->channel().wait_stats(); }
+  ShmChannel::WaitStats wait_stats() const { return comm().channel().wait_stats(); }
   // The communicator, for its settings and for set-up; collectives go through run and submit.
-  NodeComm& comm() { return *queue_->comm; }
+  // Raises once the engine is shut down.
+  NodeComm& comm();
+  const NodeComm& comm() const;
   // Where the node's slots lie on its NUMA nodes, in words (ddpx/_numa.py), for describe().
   void set_numa(std::string numa) { numa_ = std::move(numa); }
   const std::string& numa() const { return numa_; }

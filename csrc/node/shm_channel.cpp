@@ -211,21 +211,27 @@ bool ShmChannel::exited(int rank) const {
 }
 
 void ShmChannel::check_not_aborted() const {
+  // This rank's own give-up too: a wait on another of its threads (an abort's target, a helper)
+  // ends with it rather than waiting out its timeout.
   const int32_t by = header_->aborted_by.load(std::memory_order_acquire);
-  if (by == 0 || by == me_ + 1) return;
+  if (by == 0) return;
   C10_THROW_ERROR(DistBackendError, "ddpx: the collective was aborted by " + rank_name(by - 1) +
                                         ": " + control_[by - 1].message);
 }
 
 void ShmChannel::fail(const std::string& message) {
   failure_ = message;
-  set_message(message);
+  abort(message);
+  C10_THROW_ERROR(DistBackendError, message);
+}
+
+void ShmChannel::abort(const std::string& why) {
+  set_message(why);
   int32_t none = 0;
   header_->aborted_by.compare_exchange_strong(none, me_ + 1, std::memory_order_acq_rel);
   for (int r = 0; r < layout_.nranks; ++r) control_[r].wake.wake();
   header_->done_wake.wake();
-  if (on_fail_) on_fail_(message);
-  C10_THROW_ERROR(DistBackendError, message);
+  if (on_fail_) on_fail_(why);
 }
 
 std::atomic<uint64_t>& ShmChannel::counter(int rank, Phase phase) const {

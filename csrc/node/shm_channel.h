@@ -122,6 +122,9 @@ class ShmChannel {
   // Gives up: every peer's wait ends with message, then on_fail(message) runs, then this throws
   // it (DistBackendError). The channel is unusable after this.
   [[noreturn]] void fail(const std::string& message);
+  // ProcessGroup.abort(), from any thread: every wait of this rank's calls and of its peers' ends
+  // with why, as fail's do, and every call after raises it; nothing is thrown here.
+  void abort(const std::string& why);
   void set_on_fail(std::function<void(const std::string&)> on_fail) {
     on_fail_ = std::move(on_fail);
   }

@@ -108,7 +108,7 @@ void Backend::set_timeout(std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(timeout.count() > 0, "ddpx: a process group's timeout must be above zero");
   timeout_ = timeout;
 #if DDPX_TORCH_AT_LEAST_2_13
-  gloo_->setTimeout(timeout);
+  gloo()->setTimeout(timeout);
 #endif
 }
 
@@ -201,6 +201,28 @@ void Backend::refuse(const char* name, const std::string& why) {
   TORCH_CHECK(false, why);
 }
 
+const c10::intrusive_ptr<c10d::Backend>& Backend::gloo() const {
+  TORCH_CHECK(gloo_, "ddpx: rank ", getRank(),
+              "'s process group was destroyed (destroy_process_group): make a new group for "
+              "further calls");
+  return gloo_;
+}
+
+void Backend::abort() {
+  const std::string why =
+      "ddpx: rank " + std::to_string(getRank()) + "'s process group was aborted";
+  if (engine_) engine_->abort(why);
+  if (p2p_) p2p_->abort(why);
+}
+
+void Backend::shutdown() {
+  p2p_.reset();
+  if (engine_) engine_->shutdown();
+  engine_.reset();
+  gloo_.reset();
+  why_not_ = "the group was destroyed";
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::on_gloo(const char* name,
                                                 c10::intrusive_ptr<c10d::Work> work) {
   count(name, Route::kGloo);
@@ -225,7 +247,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
   // Several tensors a rank (reduced together, as gloo does) and sparse ones: gloo's own.
   if (!engine_ || tensors.size() != 1 || tensors[0].layout() != at::kStrided) {
-    return on_gloo("all_reduce", gloo_->allreduce(tensors, opts));
+    return on_gloo("all_reduce", gloo()->allreduce(tensors, opts));
   }
   return on_engine("all_reduce", opts, tensors,
                    {all_reduce_task(tensors[0], opts.reduceOp, getSize())});
@@ -234,7 +256,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   RECORD_FUNCTION("ddpx::all_reduce_sparse", std::vector<c10::IValue>());
-  return on_gloo("all_reduce_sparse", gloo_->allreduce_sparse(tensors, opts));
+  return on_gloo("all_reduce_sparse", gloo()->allreduce_sparse(tensors, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
@@ -246,7 +268,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(
   // An empty list, mixed dtypes or layouts, sparse tensors: gloo raises at the call, or sums.
   if (!engine_ || tensors.empty() ||
       !std::all_of(tensors.begin(), tensors.end(), strided_like_first)) {
-    return on_gloo("all_reduce_coalesced", gloo_->allreduce_coalesced(tensors, opts));
+    return on_gloo("all_reduce_coalesced", gloo()->allreduce_coalesced(tensors, opts));
   }
   std::vector<Task> tasks;
   if (first_overlap(tensors)) {
@@ -273,7 +295,8 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
                                                   const c10d::BroadcastOptions& opts) {
   RECORD_FUNCTION("ddpx::broadcast", std::vector<c10::IValue>());
   // Several tensors a rank (the root's tensor opts.rootTensor to all of them): gloo's.
-  if (!engine_ || tensors.size() != 1) return on_gloo("broadcast", gloo_->broadcast(tensors, opts));
+  if (!engine_ || tensors.size() != 1)
+    return on_gloo("broadcast", gloo()->broadcast(tensors, opts));
   const std::string why = root_error("broadcast", opts.rootRank, opts.rootTensor, getSize());
   if (!why.empty()) refuse("broadcast", why);
   return on_engine("broadcast", opts, tensors, {broadcast_task(tensors[0], int(opts.rootRank))});
@@ -287,7 +310,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
   // and raises at the call for the other.
   if (!engine_ || inputs.size() != 1 || outputs.size() != 1 ||
       int(outputs[0].size()) != getSize()) {
-    return on_gloo("all_gather", gloo_->allgather(outputs, inputs, opts));
+    return on_gloo("all_gather", gloo()->allgather(outputs, inputs, opts));
   }
   std::string why = list_error(outputs[0], inputs[0], getSize(), "all_gather", "outputs");
   if (why.empty()) why = overlapping_parts(outputs[0], "all_gather", "outputs");
@@ -300,7 +323,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
                                                         const c10d::AllgatherOptions& opts) {
   RECORD_FUNCTION("ddpx::all_gather_into_tensor", std::vector<c10::IValue>());
   if (!engine_) {
-    return on_gloo("all_gather_into_tensor", gloo_->_allgather_base(output, input, opts));
+    return on_gloo("all_gather_into_tensor", gloo()->_allgather_base(output, input, opts));
   }
   const std::string why =
       whole_error(output, input, getSize(), "all_gather_into_tensor", "output", "input");
@@ -315,7 +338,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(
   RECORD_FUNCTION("ddpx::all_gather_into_tensor_coalesced", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("all_gather_into_tensor_coalesced",
-                   gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts));
+                   gloo()->allgather_into_tensor_coalesced(outputs, inputs, opts));
   }
   const char* name = "all_gather_into_tensor_coalesced";
   const std::string why = coalesced_error(outputs, inputs, name, true, getSize());
@@ -332,7 +355,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   RECORD_FUNCTION("ddpx::all_gather_coalesced", std::vector<c10::IValue>());
-  return on_gloo("all_gather_coalesced", gloo_->allgather_coalesced(outputs, inputs, opts));
+  return on_gloo("all_gather_coalesced", gloo()->allgather_coalesced(outputs, inputs, opts));
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -344,7 +367,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   // output (each rank's part its own size): gloo computes them, or raises at the call.
   if (!engine_ || inputs.size() != 1 || outputs.size() != 1 || int(inputs[0].size()) != getSize() ||
       std::any_of(inputs[0].begin(), inputs[0].end(), uneven)) {
-    return on_gloo("reduce_scatter", gloo_->reduce_scatter(outputs, inputs, opts));
+    return on_gloo("reduce_scatter", gloo()->reduce_scatter(outputs, inputs, opts));
   }
   const std::string why = list_error(inputs[0], outputs[0], getSize(), "reduce_scatter", "inputs");
   if (!why.empty()) refuse("reduce_scatter", why);
@@ -356,7 +379,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   RECORD_FUNCTION("ddpx::reduce_scatter_tensor", std::vector<c10::IValue>());
   if (!engine_) {
-    return on_gloo("reduce_scatter_tensor", gloo_->_reduce_scatter_base(output, input, opts));
+    return on_gloo("reduce_scatter_tensor", gloo()->_reduce_scatter_base(output, input, opts));
   }
   const std::string why =
       whole_error(input, output, getSize(), "reduce_scatter_tensor", "input", "output");
@@ -371,7 +394,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
   RECORD_FUNCTION("ddpx::reduce_scatter_tensor_coalesced", std::vector<c10::IValue>());
   if (!engine_) {
     return on_gloo("reduce_scatter_tensor_coalesced",
-                   gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+                   gloo()->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   }
   const char* name = "reduce_scatter_tensor_coalesced";
   const std::string why = coalesced_error(outputs, inputs, name, false, getSize());
@@ -386,7 +409,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
   RECORD_FUNCTION("ddpx::barrier", std::vector<c10::IValue>());
-  if (!engine_) return on_gloo("barrier", gloo_->barrier(opts));
+  if (!engine_) return on_gloo("barrier", gloo()->barrier(opts));
   return on_engine("barrier", opts, {}, {barrier_task()});
 }
 
@@ -395,7 +418,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   RECORD_FUNCTION("ddpx::reduce", std::vector<c10::IValue>());
   // gloo raises at the call for a list of other than one tensor, and reduces sparse ones.
   if (!engine_ || tensors.size() != 1 || tensors[0].layout() != at::kStrided) {
-    return on_gloo("reduce", gloo_->reduce(tensors, opts));
+    return on_gloo("reduce", gloo()->reduce(tensors, opts));
   }
   const at::Tensor& t = tensors[0];
   const int root = int(opts.rootRank);
@@ -412,7 +435,7 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
   RECORD_FUNCTION("ddpx::gather", std::vector<c10::IValue>());
   const int root = int(opts.rootRank);
   if (!local() || !rooted_shape(inputs, outputs, root, getRank(), getSize())) {
-    return on_gloo("gather", gloo_->gather(outputs, inputs, opts));
+    return on_gloo("gather", gloo()->gather(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> list = getRank() == root ? outputs[0] : std::vector<at::Tensor>{};
   std::string why = getRank() == root ? list_error(list, inputs[0], getSize(), "gather", "outputs")
@@ -430,7 +453,7 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   RECORD_FUNCTION("ddpx::scatter", std::vector<c10::IValue>());
   const int root = int(opts.rootRank);
   if (!local() || !rooted_shape(outputs, inputs, root, getRank(), getSize())) {
-    return on_gloo("scatter", gloo_->scatter(outputs, inputs, opts));
+    return on_gloo("scatter", gloo()->scatter(outputs, inputs, opts));
   }
   const std::vector<at::Tensor> list = getRank() == root ? inputs[0] : std::vector<at::Tensor>{};
   const std::string why =
@@ -449,7 +472,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
   const bool equal = input_splits.empty() && output_splits.empty();
   if (!engine_ || input.scalar_type() != output.scalar_type() || (!local() && !equal)) {
     return on_gloo("all_to_all_single",
-                   gloo_->alltoall_base(output, input, output_splits, input_splits, opts));
+                   gloo()->alltoall_base(output, input, output_splits, input_splits, opts));
   }
   return on_engine(
       "all_to_all_single", opts, {output},
@@ -471,7 +494,7 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
       std::any_of(outputs.begin(), outputs.end(), other_dtype) ||
       (!local() && (std::any_of(inputs.begin(), inputs.end(), other_size) ||
                     std::any_of(outputs.begin(), outputs.end(), other_size)))) {
-    return on_gloo("all_to_all", gloo_->alltoall(outputs, inputs, opts));
+    return on_gloo("all_to_all", gloo()->alltoall(outputs, inputs, opts));
   }
   return on_engine("all_to_all", opts, outputs,
                    {all_to_all_task(outputs, inputs, !local(), "torch.distributed.all_to_all")});
@@ -481,9 +504,9 @@ c10::intrusive_ptr<c10d::Work> Backend::point_to_point(const char* name,
                                                        std::vector<at::Tensor>& tensors, int peer,
                                                        int tag, bool is_send) {
   if (!p2p_) {
-    auto inner =
-        is_send ? gloo_->send(tensors, peer, tag)
-                : (peer < 0 ? gloo_->recvAnysource(tensors, tag) : gloo_->recv(tensors, peer, tag));
+    auto inner = is_send ? gloo()->send(tensors, peer, tag)
+                         : (peer < 0 ? gloo()->recvAnysource(tensors, tag)
+                                     : gloo()->recv(tensors, peer, tag));
     const c10d::OpType type = inner->retrieveOpType();
     return on_gloo(name, c10::make_intrusive<PointToPointWork>(std::move(inner), tensors, type));
   }

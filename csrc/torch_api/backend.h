@@ -117,6 +117,15 @@ class Backend final : public c10d::Backend {
   std::string describe() const;
   std::map<std::string, RouteCounts> routes() const;
   const std::shared_ptr<ShmEngine>& engine() const { return engine_; }
+
+  // ProcessGroup.abort() (torchft's, a watchdog's), from any thread: the engine's call in flight
+  // and every later one raise on this rank and on its peers of the node, as do point-to-point's
+  // pending sends and receives. The inner gloo has no abort: a call blocked there ends at its
+  // timeout.
+  void abort() override;
+  // destroy_process_group(): the engine's and point-to-point's threads stop, the segment is
+  // unmapped, the inner gloo (and its threads) dropped; every call after raises.
+  void shutdown() override;
   const std::string& why_not() const { return why_not_; }
 
  private:
@@ -135,6 +144,8 @@ class Backend final : public c10d::Backend {
     return on_engine(name, opts.asyncOp, opts.timeout, std::move(outputs), std::move(tasks));
   }
   c10::intrusive_ptr<c10d::Work> on_gloo(const char* name, c10::intrusive_ptr<c10d::Work> work);
+  // The inner gloo; raises once the backend is shut down.
+  const c10::intrusive_ptr<c10d::Backend>& gloo() const;
   // A call this rank's own tensors make impossible: raises why here, on the caller's thread, and
   // rejects the collective on the engine so that the peers' calls of it raise too.
   [[noreturn]] void refuse(const char* name, const std::string& why);
