@@ -3,8 +3,8 @@
 One engine per process group and device type, made collectively the first time the group is used
 (ddpx/_setup.py): CPU tensors go to the node's shared-memory engine, or to the process group's
 all-reduce where shared memory cannot serve; CUDA tensors to the CUDA engine (csrc/cuda) where the
-extension was built with its kernels, else to the process group's all-reduce too. A sparse COO
-tensor is summed by the process group.
+extension was built with its kernels, else to the process group's all-reduce too. Each engine
+sends a sparse COO tensor to the process group's all-reduce itself (csrc/engine/engine.h).
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from ddpx._groups import resolve_group
 from ddpx._setup import create_cpu_engine
 from ddpx._timeouts import group_with_timeout
 
-__all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "sparse_engine",
-           "wire_dtype"]
+__all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "wire_dtype"]
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 
-# group -> {device type, or "sparse" -> engine}. Weak on the group: a destroyed process group must
-# not be kept alive (with its threads) by ddpx until interpreter exit.
+# group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
+# alive (with its threads) by ddpx until interpreter exit.
 _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -75,7 +74,7 @@ def checked_device(device) -> str:
 
 def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None):
     """The engine that reduces ``device`` tensors over ``group`` (default: the world), made
-    collectively by every rank of the group on first use."""
+    collectively by every rank of the group on first use; it sends sparse ones to ``group``."""
     timeout = checked_timeout(timeout)
     group = resolve_group(group)
     by_device = _engines.setdefault(group, {})
@@ -88,6 +87,7 @@ def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None
         else:
             by_device[device] = extension().make_process_group_engine(
                 group, f"{device} tensors go through the process group's all-reduce")
+        by_device[device].set_group(group.group_name)
         extension().publish_engine(group.group_name, device, by_device[device])
     return by_device[device]
 
@@ -126,13 +126,6 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
         name, scale = _operator_group(group, tensor.device.type, average)
         torch.ops.ddpx.all_reduce_(tensor, name, scale, wire_dtype(compression))
         return tensor
-    if tensor.is_sparse:
-        if compression is not None:
-            raise ValueError("ddpx: a sparse tensor is summed by the process group in its own "
-                             "dtype; call ddpx.all_reduce on it without compression")
-        pg = resolve_group(group)
-        sparse_engine(pg).run(tensor, 1.0 / pg.size() if average else 1.0, None, "ddpx.all_reduce")
-        return tensor
     # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
     pg = group if group is not None else _world.default_pg
     # tensor.device builds a torch.device at every call (docs/design.md); is_cpu does not.
@@ -145,18 +138,6 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     wire = None if compression is None else wire_dtype(compression)
     engine.run(tensor, scale, wire, "ddpx.all_reduce")
     return tensor
-
-
-def sparse_engine(group):
-    """The engine of sparse COO tensors over ``group``: the process group's all-reduce (gloo sums
-    sparse tensors; ddpx's engines reduce dense ones, and DDP's default sends sparse gradients the
-    same way), uncompressed, made once per group. The C++ hook sends its sparse buckets there too
-    (csrc/torch_api/fused_hook.h)."""
-    by_kind = _engines.setdefault(group, {})
-    if "sparse" not in by_kind:
-        by_kind["sparse"] = extension().make_process_group_engine(
-            group, "sparse tensors go through the process group's all-reduce")
-    return by_kind["sparse"]
 
 
 def _operator_group(group, device: str, average: bool) -> tuple[str, float]:

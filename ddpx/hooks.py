@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpx import settings
 from ddpx._ext import extension
 from ddpx._groups import ddpx_backend, resolve_group
-from ddpx.engine import checked_device, checked_timeout, engine_for, sparse_engine, wire_dtype
+from ddpx.engine import checked_device, checked_timeout, engine_for, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -95,18 +95,15 @@ def fused_allreduce_hook(
     1/world_size scale (and the cast, with compression) is fused into the copy to shared memory
     (CPU buckets) or into the collective and its kernels (CUDA buckets), and the sum is
     accumulated in float32. Returns at once; the future completes when the bucket is reduced.
-    A sparse gradient's bucket is averaged by the process group, uncompressed.
+    A sparse gradient's bucket goes where the engine sends every sparse tensor: to the process
+    group's all-reduce, uncompressed.
 
     Example::
         >>> state = ddpx.FusedHookState(process_group=None)
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
-    if bucket.buffer().is_sparse:
-        engine, wire = sparse_engine(state.process_group), None
-    else:
-        engine, wire = state.engine, state.wire
-    future = engine.run_async(bucket.buffer(), state.scale, wire,
-                              f"gradient bucket {bucket.index()}")
+    future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
+                                    f"gradient bucket {bucket.index()}", dense_wire_only=True)
     # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
     return future.then(lambda done: done.value())
 
@@ -143,8 +140,7 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
         if why:
             raise ValueError(why)
     state = FusedHookState(group, compression, device=device, timeout=timeout)
-    extension().register_fused_hook(ddp_model.reducer, state.engine, state.process_group,
-                                    state.scale, state.wire,
+    extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,
                                     into_arena=settings.flag("DDPX_COMM_MEMORY"))
     state._moves_buckets = settings.flag("DDPX_COMM_MEMORY")
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")

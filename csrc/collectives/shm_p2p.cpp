@@ -3,7 +3,6 @@
 #include "shm_p2p.h"
 
 #include <c10/util/Exception.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -144,7 +143,7 @@ struct ShmPointToPoint::State {
   std::condition_variable thread_cv;
   int pending = 0;
   int waiters = 0;
-  bool stopping = false;
+  std::atomic<bool> stopping{false};  // written under thread_mu; read outside it by Idle
 
   explicit State(const ShmChannel& ch) : channel(ch), n(ch.size()), me(ch.me()) {
     const P2PLayout layout{n};
@@ -479,36 +478,48 @@ struct ShmPointToPoint::State {
     finish(done);
   }
 
-  // Moves what it can; with nothing to move spins for kSpinFor since the last move, then sleeps
-  // until a peer or a caller rings this rank's doorbell, or kPoll passes. A caller waiting for
-  // an op passes its future: another mover may end it meanwhile, and then rings the bell after
-  // completing it, so this checks it between announcing itself as a sleeper and sleeping.
-  void step(Clock::time_point& idle_since, const c10::ivalue::Future* awaited = nullptr) {
-    if (pass()) {
-      idle_since = Clock::now();
-      return;
+  // The movers' wait for something to move (Waiter::wait_for). Its word is this rank's doorbell,
+  // which peers ring as they publish and callers as they post; each look at it is a pass, as a
+  // mover's spin has nothing cheaper to watch than the rings themselves. A caller waiting for an
+  // op passes its future: another mover may end it meanwhile, and rings the bell after completing
+  // it; the thread, passing none, also stops waiting when it is asked to stop.
+  class Idle final : public Waiter::Waitable {
+   public:
+    Idle(State& state, const c10::ivalue::Future* awaited, bool crowded)
+        : state_(state), awaited_(awaited), crowded_(crowded) {}
+
+    WakeWord* word() const override {
+      // Latched: a move ends the wait even if the next look finds nothing, so that the mover
+      // starts a new wait, spinning first, after each move.
+      over_ = over_ || state_.pass() || (awaited_ ? awaited_->completed() : state_.stopping.load());
+      return over_ ? nullptr : &state_.bells[state_.me].word;
     }
-    if (Clock::now() - idle_since < kSpinFor) {
-      // With more ranks than CPUs the peer this rank waits for most likely waits for its CPU.
-      if (channel.oversubscribed()) {
-        sched_yield();
-      } else {
-        for (int i = 0; i < 32; ++i) cpu_relax();
-      }
-      return;
-    }
-    bool moved = false;
-    bells[me].word.sleep(
-        [&] {
-          moved = pass();
-          return !moved && !(awaited && awaited->completed());
-        },
-        kPoll);
-    if (moved) {
-      idle_since = Clock::now();
-      return;
-    }
-    check_stalled();
+    // Which peers the pending ops wait for is not tracked: spin no longer than for peers that
+    // may share this CPU. Their rings say nothing of when they last ran; but with more ranks
+    // than CPUs (crowded), where the waiter spins only because yields lose the CPU to other
+    // processes, the peer most likely waits for a CPU, maybe this one: sleep instead.
+    bool may_run_on(int) const override { return true; }
+    bool descheduled(int, int64_t) const override { return crowded_; }
+    // With more ranks than CPUs the peer this rank waits for most likely waits for its CPU.
+    bool yields() const override { return true; }
+
+   private:
+    State& state_;
+    const c10::ivalue::Future* awaited_;
+    bool crowded_;
+    mutable bool over_ = false;
+  };
+
+  // Moves what it can; with nothing to move, waits through a waiter for a peer or a caller to
+  // ring this rank's doorbell, then fails what has stalled if kPoll passed first.
+  void step(const c10::ivalue::Future* awaited = nullptr) {
+    if (pass()) return;
+    // A waiter per thread, as the thread and the callers move at once; what it learns of the
+    // machine (yields that lose the CPU) carries over to the thread's next waits.
+    static thread_local Waiter waiter;
+    const bool crowded = channel.oversubscribed();
+    waiter.set_oversubscribed(crowded);
+    if (!waiter.wait_for(Idle(*this, awaited, crowded), kPoll)) check_stalled();
   }
 
   // Fails every pending send and receive, and every one posted after, with why.
@@ -564,7 +575,6 @@ class P2PWork final : public c10d::Work {
   // Moves this and every other pending op on the calling thread until this one ends.
   bool wait(std::chrono::milliseconds timeout) override {
     const auto start = Clock::now();
-    auto idle_since = start;
     {
       std::lock_guard<std::mutex> lock(state_->thread_mu);
       ++state_->waiters;
@@ -586,7 +596,7 @@ class P2PWork final : public c10d::Work {
                             (op_->is_send ? "send" : "receive") + " timed out after " +
                             std::to_string(timeout.count()) + " ms; it stays pending");
       }
-      state_->step(idle_since, op_->future.get());
+      state_->step(op_->future.get());
     }
     op_->future->waitAndThrow();
     return true;
@@ -598,7 +608,6 @@ class P2PWork final : public c10d::Work {
 };
 
 void worker_loop(const std::shared_ptr<State>& state) {
-  auto idle_since = Clock::now();
   while (true) {
     {
       std::unique_lock<std::mutex> lock(state->thread_mu);
@@ -611,11 +620,10 @@ void worker_loop(const std::shared_ptr<State>& state) {
           return state->stopping || state->pending == 0 || state->waiters > 0;
         });
         if (taken && !state->stopping) continue;
-        idle_since = Clock::now();
       }
       if (state->stopping) return;
     }
-    state->step(idle_since);
+    state->step();
   }
 }
 

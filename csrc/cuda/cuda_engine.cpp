@@ -51,7 +51,15 @@ class CudaEngine final : public Engine {
       : group_(std::move(group)),
         backend_(group_->getBackend(c10::DeviceType::CUDA)->getBackendName()) {}
 
-  FuturePtr run_async(at::Tensor tensor, Request request) override {
+  std::string describe() const override {
+    return "ddpx CUDA engine (" + backend_ +
+           "): " + (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
+           " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather, "
+           "on a side stream";
+  }
+
+ protected:
+  FuturePtr reduce_async(at::Tensor tensor, Request request) override {
     const std::string why = invalid_input(tensor, request, c10::DeviceType::CUDA);
     TORCH_CHECK_VALUE(why.empty(), why);
     const at::ScalarType wire = wire_dtype(as_real(tensor).scalar_type(), request);
@@ -63,16 +71,9 @@ class CudaEngine final : public Engine {
     return allreduce_compressed(tensor, wire, request.scale);
   }
 
-  void run(at::Tensor tensor, const Request& request) override {
+  void reduce(at::Tensor tensor, const Request& request) override {
     // For a CUDA future this makes the current stream wait; the host goes on.
-    run_async(std::move(tensor), request)->waitAndThrow();
-  }
-
-  std::string describe() const override {
-    return "ddpx CUDA engine (" + backend_ +
-           "): " + (backend_ == "nccl" ? "premultiplied-sum" : "scale-then-sum") +
-           " all-reduce; bf16/fp16 summed in float32 between an all-to-all and an all-gather, "
-           "on a side stream";
+    reduce_async(std::move(tensor), request)->waitAndThrow();
   }
 
  private:

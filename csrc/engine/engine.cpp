@@ -1,11 +1,12 @@
-// The engines (engine.h): the shared-memory engine's queue and communication thread, the front
-// door of the node's all-reduce, and the process group's path.
+// The engines (engine.h): where a tensor goes, the shared-memory engine's queue and communication
+// thread, the front door of the node's all-reduce, and the process group's path.
 #include "engine.h"
 
 #include <Python.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
 #include <exception>
 #include <sstream>
@@ -112,7 +113,46 @@ void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request)
   allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::run_async(at::Tensor tensor, Request request) {
+c10::intrusive_ptr<c10::ivalue::Future> Engine::run_async(at::Tensor tensor, Request request) {
+  if (!tensor.is_sparse()) return reduce_async(std::move(tensor), std::move(request));
+  return scaled_allreduce(*sparse_group(request), std::move(tensor), request.scale,
+                          /*premul_sum=*/false);
+}
+
+void Engine::run(at::Tensor tensor, const Request& request) {
+  if (!tensor.is_sparse()) return reduce(std::move(tensor), request);
+  run_async(std::move(tensor), request)->waitAndThrow();
+}
+
+void Engine::set_group(std::string group_name) {
+  std::lock_guard<std::mutex> lock(group_mu_);
+  group_name_ = std::move(group_name);
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> Engine::sparse_group(const Request& request) const {
+  TORCH_CHECK_VALUE(!request.wire || request.dense_wire_only,
+                    "ddpx: a sparse tensor is summed by the process group in its own dtype; call ",
+                    request.what, " on it without compression");
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    name = group_name_;
+  }
+  TORCH_CHECK_VALUE(!name.empty(), "ddpx: ", request.what,
+                    " got a sparse tensor, which the process group sums, and this engine serves "
+                    "no group: take the engine from ddpx.engine.engine_for(group)");
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const c10::Error&) {
+    C10_THROW_ERROR(ValueError, c10::str("ddpx: ", request.what,
+                                         " got a sparse tensor, which the process group sums, and "
+                                         "this engine's group '",
+                                         name, "' was destroyed: reduce over a live group"));
+  }
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::reduce_async(at::Tensor tensor,
+                                                                Request request) {
   return submit(
       [tensor = std::move(tensor), request = std::move(request),
        profiler = CallerProfiler()](NodeComm& comm) {
@@ -136,7 +176,7 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr ty
   return future;
 }
 
-void ShmEngine::run(at::Tensor tensor, const Request& request) {
+void ShmEngine::reduce(at::Tensor tensor, const Request& request) {
   RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
   run([&](NodeComm& comm) { all_reduce(comm, tensor, request); });
 }
@@ -262,15 +302,15 @@ ProcessGroupEngine::ProcessGroupEngine(c10::intrusive_ptr<c10d::ProcessGroup> gr
                                        std::string reason)
     : group_(std::move(group)), reason_(std::move(reason)) {}
 
-c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::run_async(at::Tensor tensor,
-                                                                      Request request) {
+c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::reduce_async(at::Tensor tensor,
+                                                                         Request request) {
   TORCH_CHECK_VALUE(!request.wire || *request.wire == tensor.scalar_type(),
                     "ddpx: compression is not available on the process-group path (", reason_, ")");
   return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false);
 }
 
-void ProcessGroupEngine::run(at::Tensor tensor, const Request& request) {
-  auto future = run_async(std::move(tensor), request);
+void ProcessGroupEngine::reduce(at::Tensor tensor, const Request& request) {
+  auto future = reduce_async(std::move(tensor), request);
   future->waitAndThrow();
 }
 

@@ -43,13 +43,37 @@ class Engine {
  public:
   virtual ~Engine() = default;
   // Starts reducing tensor in place and returns at once; the future holds tensor when done.
-  virtual c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) = 0;
-  virtual void run(at::Tensor tensor, const Request& request) = 0;
+  // Where a tensor goes is decided here, for the hooks, ddpx.all_reduce and torch.ops.ddpx alike:
+  // a sparse COO tensor to the all-reduce of the engine's process group (set_group), in its own
+  // dtype, as DDP's default sends sparse gradients (gloo sums sparse tensors; ddpx's engines
+  // reduce dense ones); every other tensor to the engine's own path.
+  c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request);
+  // The same, returning once tensor is reduced (a CUDA one: once the current stream waits for it).
+  void run(at::Tensor tensor, const Request& request);
+  // The process group whose tensors the engine reduces, for its sparse ones: set by engine_for
+  // (ddpx/engine.py) for every engine it hands out. By name, resolved in c10d's registry when a
+  // sparse tensor comes: a group of ddpx's backend holds its engine, which must not hold it back,
+  // and under torch.compile's tracing engine_for sees a stand-in for the group, not the group.
+  void set_group(std::string group_name);
   virtual std::string describe() const = 0;
   // Whether all-reduces of tensors in the ranks' arenas (arena.h) copy nothing in or out here.
   virtual bool serves_arena() const { return false; }
   // Finishes the queued work and stops the engine's threads, if it has any; later calls raise.
   virtual void shutdown() {}
+
+ protected:
+  // The engine's own path, for dense tensors: run_async's and run's.
+  virtual c10::intrusive_ptr<c10::ivalue::Future> reduce_async(at::Tensor tensor,
+                                                               Request request) = 0;
+  virtual void reduce(at::Tensor tensor, const Request& request) = 0;
+
+ private:
+  // The group that sums a sparse tensor for request; raises where there is none, or where the
+  // request asks for compression it cannot drop.
+  c10::intrusive_ptr<c10d::ProcessGroup> sparse_group(const Request& request) const;
+
+  mutable std::mutex group_mu_;
+  std::string group_name_;
 };
 
 // Makes engine the one torch.ops.ddpx operators use for `device` tensors on the process group
@@ -66,9 +90,8 @@ class ShmEngine final : public Engine {
                      size_t chunk_bytes = 0, std::vector<int> node_ranks = {});
   ~ShmEngine() override;
 
-  c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
-  // Runs on the calling thread once every earlier asynchronous call has finished.
-  void run(at::Tensor tensor, const Request& request) override;
+  using Engine::run;
+  // Runs op on the calling thread once every earlier asynchronous call has finished.
   void run(const std::function<void(NodeComm&)>& op);
   // Runs op on the communication thread after every earlier call; the future, of `type`, holds
   // what op returns, or its error.
@@ -93,6 +116,11 @@ class ShmEngine final : public Engine {
   // Where the node's slots lie on its NUMA nodes, in words (ddpx/_numa.py), for describe().
   void set_numa(std::string numa) { numa_ = std::move(numa); }
   const std::string& numa() const { return numa_; }
+
+ protected:
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_async(at::Tensor tensor, Request request) override;
+  // Runs on the calling thread once every earlier asynchronous call has finished.
+  void reduce(at::Tensor tensor, const Request& request) override;
 
  private:
   // What the communication thread shares with the engine; it outlives the engine when the last
@@ -122,9 +150,11 @@ class ProcessGroupEngine final : public Engine {
  public:
   ProcessGroupEngine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::string reason);
 
-  c10::intrusive_ptr<c10::ivalue::Future> run_async(at::Tensor tensor, Request request) override;
-  void run(at::Tensor tensor, const Request& request) override;
   std::string describe() const override;
+
+ protected:
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_async(at::Tensor tensor, Request request) override;
+  void reduce(at::Tensor tensor, const Request& request) override;
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

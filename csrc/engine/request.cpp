@@ -55,8 +55,7 @@ std::string invalid_input(const at::Tensor& input, const Request& request, c10::
   } else if (tensor.layout() != at::kStrided) {
     why << "ddpx: " << request.what << " is a " << tensor.layout()
         << " tensor; ddpx's engines reduce dense (strided) tensors: reduce it with "
-           "torch.distributed.all_reduce"
-        << (tensor.is_sparse() ? " (ddpx.all_reduce does for a sparse COO tensor)" : "");
+           "torch.distributed.all_reduce";
   } else if (tensor.device().type() != device) {
     why << "ddpx: the " << (cpu ? "shared-memory engine reduces CPU" : "CUDA engine reduces CUDA")
         << " tensors, " << request.what << " is on " << tensor.device()

@@ -16,6 +16,10 @@ struct Request {
   double scale = 1.0;                  // applied to every rank's input before the sum
   std::optional<at::ScalarType> wire;  // dtype in transit; the tensor's own when empty
   std::string what;                    // names the call in errors ("gradient bucket 3")
+  // Whether wire is meant for dense tensors only: the hook's compression is of the dense buckets,
+  // and a sparse gradient travels in its own dtype, as on DDP's default; ddpx.all_reduce's is of
+  // the tensor it was given, and refused for a sparse one (Engine::run_async).
+  bool dense_wire_only = false;
 };
 
 // The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.

@@ -76,7 +76,7 @@ std::string Waiter::policy(int nranks, int cpus, bool apart) {
          ", less once the awaited ranks are silent for " + us(kPeerQuiet) + ", then sleep";
 }
 
-bool Waiter::yield_while_cheap(const Awaited& awaited, Clock::time_point start) {
+bool Waiter::yield_while_cheap(const Waitable& awaited, Clock::time_point start) {
   for (auto asked = start; asked - start < kYieldFor;) {
     sched_yield();
     yields_.fetch_add(1, std::memory_order_relaxed);
@@ -94,7 +94,7 @@ bool Waiter::yield_while_cheap(const Awaited& awaited, Clock::time_point start) 
   return false;
 }
 
-bool Waiter::spin_while_running(const Awaited& awaited, Clock::time_point start) {
+bool Waiter::spin_while_running(const Waitable& awaited, Clock::time_point start) {
   const int cpu = sched_getcpu();
   const auto spin_for = awaited.may_run_on(cpu) ? kSpinFor : kSpinApart;
   const int64_t quiet_ns = std::chrono::nanoseconds(kPeerQuiet).count();
@@ -110,33 +110,51 @@ bool Waiter::spin_while_running(const Awaited& awaited, Clock::time_point start)
   return false;
 }
 
-void Waiter::wait(Awaited& awaited, std::chrono::milliseconds timeout) {
+bool Waiter::before_sleeping(const Waitable& awaited, Clock::time_point start) {
   waits_.fetch_add(1, std::memory_order_relaxed);
+  if (!oversubscribed_) return spin_while_running(awaited, start);
+  if (!awaited.yields()) return false;
+  return start >= yields_banned_until_ ? yield_while_cheap(awaited, start)
+                                       : spin_while_running(awaited, start);
+}
+
+template <class Interrupted>
+WakeWord* Waiter::sleep_on(const Waitable& awaited, WakeWord* word, std::chrono::nanoseconds nap,
+                           Interrupted interrupted) {
+  const bool slept = word->sleep([&] { return awaited.word() == word && !interrupted(); }, nap);
+  if (slept) sleeps_.fetch_add(1, std::memory_order_relaxed);
+  return awaited.word();
+}
+
+void Waiter::wait(Awaited& awaited, std::chrono::milliseconds timeout) {
   const auto start = Clock::now();
   const TimedWait timed{start, waited_ns_};
-  if (!oversubscribed_) {
-    if (spin_while_running(awaited, start)) return;
-  } else if (awaited.yields()) {
-    if (start >= yields_banned_until_ ? yield_while_cheap(awaited, start)
-                                      : spin_while_running(awaited, start)) {
-      return;
-    }
-  }
+  if (before_sleeping(awaited, start)) return;
   const auto deadline = start + timeout;
   while (true) {
     awaited.check_not_aborted();
     WakeWord* word = awaited.word();
     if (!word) return;
-    const bool slept =
-        word->sleep([&] { return awaited.word() == word && !awaited.aborted(); },
-                    std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()));
-    if (slept) sleeps_.fetch_add(1, std::memory_order_relaxed);
-    WakeWord* next = awaited.word();
+    WakeWord* next =
+        sleep_on(awaited, word, std::min<std::chrono::nanoseconds>(kPoll, deadline - Clock::now()),
+                 [&] { return awaited.aborted(); });
     if (!next) return;
     if (next != word) continue;  // the rank slept on has come: sleep on the next one
     const std::string why = stalled(awaited, deadline, timeout);
     if (!why.empty()) awaited.fail(why);
   }
+}
+
+bool Waiter::wait_for(const Waitable& awaited, Clock::duration bound) {
+  const auto start = Clock::now();
+  const TimedWait timed{start, waited_ns_};
+  if (before_sleeping(awaited, start)) return true;
+  const auto until = start + bound;
+  for (WakeWord* word = awaited.word(); word;
+       word = sleep_on(awaited, word, until - Clock::now(), [] { return false; })) {
+    if (Clock::now() >= until) return false;
+  }
+  return true;
 }
 
 std::string Waiter::stalled(const Stall& stall, Clock::time_point deadline,

@@ -102,8 +102,8 @@ class Waiter {
     ~Stall() = default;
   };
 
-  // One wait that the waiter runs to its end: ShmChannel's for its steps and its shared blocks.
-  class Awaited : public Stall {
+  // What the stages of a wait ask of it.
+  class Waitable {
    public:
     // The word to sleep on until the wait may be over (the first awaited rank's, or one that
     // all of them ring); null once it is over. Asked between spins: a few loads.
@@ -115,6 +115,14 @@ class Waiter {
     virtual bool descheduled(int cpu, int64_t since_ns) const = 0;
     // Whether the wait yields its CPU to the awaited ranks when they outnumber their CPUs.
     virtual bool yields() const = 0;
+
+   protected:
+    ~Waitable() = default;
+  };
+
+  // One wait that the waiter runs to its end: ShmChannel's for its steps and its shared blocks.
+  class Awaited : public Waitable, public Stall {
+   public:
     // Whether a rank has given up; and raising why, if one has.
     virtual bool aborted() const = 0;
     virtual void check_not_aborted() const = 0;
@@ -133,6 +141,10 @@ class Waiter {
   // awaited.fail when a rank awaited has exited or timeout has passed. The caller checks first:
   // a wait whose peers are there costs no call.
   void wait(Awaited& awaited, std::chrono::milliseconds timeout);
+  // The same stages for a wait whose errors are its caller's to find (point-to-point's: each of
+  // its sends and receives has a peer and a deadline of its own): true once awaited.word() is
+  // null, false once `bound` has passed, for the caller to check and wait again.
+  bool wait_for(const Waitable& awaited, Clock::duration bound);
   // Why a wait that started a timeout before deadline must end, or empty while it may go on:
   // a rank awaited has exited, or the deadline has passed.
   //   "ddpx: rank 1 (pid 4) exited while rank 0 waited for it to send its block of ..."
@@ -147,8 +159,15 @@ class Waiter {
 
  private:
   // Stages 1 and 2, from the wait's start; true when the wait is over.
-  bool yield_while_cheap(const Awaited& awaited, Clock::time_point start);
-  bool spin_while_running(const Awaited& awaited, Clock::time_point start);
+  bool before_sleeping(const Waitable& awaited, Clock::time_point start);
+  bool yield_while_cheap(const Waitable& awaited, Clock::time_point start);
+  bool spin_while_running(const Waitable& awaited, Clock::time_point start);
+  // One sleep of stage 3 on word, for at most nap, unless the wait is over or interrupted()
+  // first; returns the word to sleep on next (another once the rank slept on has come), null
+  // once the wait is over.
+  template <class Interrupted>
+  WakeWord* sleep_on(const Waitable& awaited, WakeWord* word, std::chrono::nanoseconds nap,
+                     Interrupted interrupted);
 
   bool oversubscribed_ = false;
   Clock::time_point yields_banned_until_{};

@@ -245,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> Backend::endCoalescing() {
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) {
   RECORD_FUNCTION("ddpx::all_reduce", std::vector<c10::IValue>());
-  // Several tensors a rank (reduced together, as gloo does) and sparse ones: gloo's own.
+  // Several tensors a rank (reduced together, as gloo does) and other layouts: gloo's own.
   if (!engine_ || tensors.size() != 1 || tensors[0].layout() != at::kStrided) {
     return on_gloo("all_reduce", gloo()->allreduce(tensors, opts));
   }
@@ -253,6 +253,9 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
                    {all_reduce_task(tensors[0], opts.reduceOp, getSize())});
 }
 
+// c10d's own entry point for sparse tensors (ProcessGroup::allreduce dispatches them here, and
+// an engine sends its sparse tensors through the process group, Engine::run_async): gloo sums
+// them, the same rule, not a second one.
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
   RECORD_FUNCTION("ddpx::all_reduce_sparse", std::vector<c10::IValue>());

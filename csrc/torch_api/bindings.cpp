@@ -43,8 +43,9 @@ const Kernels& kernels_named(const std::string& isa) {
   return *k;
 }
 
-Request make_request(double scale, std::optional<at::ScalarType> wire, std::string what) {
-  return Request{scale, wire, std::move(what)};
+Request make_request(double scale, std::optional<at::ScalarType> wire, std::string what,
+                     bool dense_wire_only) {
+  return Request{scale, wire, std::move(what), dense_wire_only};
 }
 
 const char* numa_mode_name(NumaRange::Mode mode) {
@@ -135,21 +136,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "run",
           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
-             std::string what) { e.run(std::move(t), make_request(scale, wire, std::move(what))); },
+             std::string what, bool dense_wire_only) {
+            e.run(std::move(t), make_request(scale, wire, std::move(what), dense_wire_only));
+          },
           py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("dense_wire_only") = false, py::call_guard<py::gil_scoped_release>())
       .def(
           "run_async",
           [](Engine& e, at::Tensor t, double scale, std::optional<at::ScalarType> wire,
-             std::string what) {
+             std::string what, bool dense_wire_only) {
             c10::intrusive_ptr<c10::ivalue::Future> future;
             {
               py::gil_scoped_release release;
-              future = e.run_async(std::move(t), make_request(scale, wire, std::move(what)));
+              future = e.run_async(std::move(t),
+                                   make_request(scale, wire, std::move(what), dense_wire_only));
             }
             return torch::jit::toPyObject(c10::IValue(std::move(future)));
           },
-          py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"))
+          py::arg("tensor"), py::arg("scale"), py::arg("wire"), py::arg("what"),
+          py::arg("dense_wire_only") = false)
+      .def("set_group", &Engine::set_group, py::arg("group_name"))
       .def("describe", &Engine::describe)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 
@@ -366,14 +372,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def(
       "register_fused_hook",
-      [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine,
-         c10::intrusive_ptr<c10d::ProcessGroup> group, double scale,
+      [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine, double scale,
          std::optional<at::ScalarType> wire, bool into_arena) {
         const bool adopt = into_arena && engine->serves_arena();
-        reducer.register_comm_hook(std::make_unique<FusedHook>(
-            FusedHookConfig{std::move(engine), std::move(group), scale, wire, adopt}));
+        reducer.register_comm_hook(
+            std::make_unique<FusedHook>(FusedHookConfig{std::move(engine), scale, wire, adopt}));
       },
-      py::arg("reducer"), py::arg("engine"), py::arg("group"), py::arg("scale"), py::arg("wire"),
+      py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"),
       py::arg("into_arena"));
   m.def(
       "invalid_input",

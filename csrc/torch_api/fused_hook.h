@@ -1,7 +1,8 @@
 // The DDP communication hook in C++: DDP hands it each gradient bucket on the autograd thread,
 // it queues the bucket on the engine and returns the engine's future at once, so backward keeps
 // computing while the bucket is reduced. No Python and no GIL on this path. A sparse gradient
-// (DDP gives each its own bucket) is averaged by the process group, as DDP's default does.
+// (DDP gives each its own bucket) goes where the engine sends every sparse tensor
+// (Engine::run_async), uncompressed.
 #pragma once
 
 #include <ATen/record_function.h>
@@ -17,9 +18,8 @@ namespace ddpx {
 
 struct FusedHookConfig {
   std::shared_ptr<Engine> engine;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;  // the model's: sparse buckets go through it
-  double scale;                                  // 1 / world size: DDP averages gradients
-  std::optional<at::ScalarType> wire;            // compression dtype, or none
+  double scale;                        // 1 / world size: DDP averages gradients
+  std::optional<at::ScalarType> wire;  // compression dtype of the dense buckets, or none
   // Moves each bucket's storage into the arena the first time the hook meets it (arena.h).
   bool into_arena;
 };
@@ -30,17 +30,15 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     RECORD_FUNCTION("ddpx::fused_hook", std::vector<c10::IValue>());
-    if (bucket.getBufferRef().is_sparse()) {
-      return scaled_allreduce(*state_.group, bucket.getBufferRef(), state_.scale,
-                              /*premul_sum=*/false);
-    }
     // DDP allocated the bucket in ordinary memory (its group is not ddpx's, or comm memory is
     // off): from here on it lies in the arena, and so do the gradients that view it, so this
     // all-reduce and every later one of the bucket copy nothing in or out. DDP's rebuilt buckets
-    // after the first step are new storages, moved when first met in turn.
+    // after the first step are new storages, moved when first met in turn; a sparse bucket has
+    // no storage of its own and stays where it is.
     if (state_.into_arena) Arena::process().adopt(bucket.getBufferRef());
     Request request{state_.scale, state_.wire,
-                    "gradient bucket " + std::to_string(bucket.getIndex())};
+                    "gradient bucket " + std::to_string(bucket.getIndex()),
+                    /*dense_wire_only=*/true};
     return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
   }
 };
