@@ -1,8 +1,58 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the checks that CI runs after the default suite."""
 
 import pytest
 
 from distributed import RankPool
+
+# Checks left out of the default suite (what every change runs, in minutes) that CI runs after it
+# (`pytest -m ci`, in .ci/run): each guards something a change seldom touches, or is a larger
+# variant of a check the default suite makes, and costs several seconds of a core, mostly
+# importing torch in the processes it launches. Node-id prefixes, with what still covers the
+# behaviour in the default suite.
+CI_ONLY = (
+    # The build: the CUDA glue parsed against torch's headers, the kernels compiled with nvcc, a
+    # second build that compiles nothing, the kernels for aarch64 under qemu (tools/arm_check.sh,
+    # also in .ci/run, does the same).
+    "tests/test_cuda.py::test_cuda_glue_has_no_compile_errors_of_its_own",
+    "tests/test_cuda.py::test_cuda_source_compiles",
+    "tests/tooling/test_build.py::test_a_second_build_compiles_nothing",
+    "tests/test_arm.py",
+    # PyTorch's own distributed tests on ddpx (the default suite runs the backend's collectives
+    # against gloo in tests/test_backend.py).
+    "tests/test_torch_suite.py::test_representative_part_at_2_ranks",
+    # More ranks than the default's 2: 8 ranks, and the 3- and 4-rank variants of checks the
+    # default suite makes at 2.
+    "tests/test_many_ranks.py::test_8_ranks_run_every_collective_exactly",
+    "tests/test_engine.py::test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree[3]",
+    "tests/test_arena.py::test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor[sigkill-3]",
+    "tests/test_arena.py::test_arena_all_reduces[4-",
+    # Two network-namespace hosts running the docs' multi-node lines (test_multinode.py runs two
+    # nodes side by side with torchrun).
+    "tests/tooling/test_docs.py::test_a_multinode_command_of_the_docs_runs_on_two_hosts",
+    # A second entry point or setting of a behaviour the default suite checks on another: the
+    # stopped peer in the shared blocks (the script's launch stays), /dev/shm capped by a setting
+    # (the tmpfs mount stays), mp.spawn with 2 threads (without OMP_NUM_THREADS stays),
+    # accelerate launch with no config (the README's launch lines stay).
+    "tests/test_timeouts.py::test_a_stopped_peer_raises_within_the_groups_timeout[shared-blocks]",
+    "tests/test_faults.py::test_a_dev_shm_too_small_falls_back_or_fails_strictly[cap-False]",
+    "tests/test_threads.py::test_mp_spawn_without_omp_num_threads_gets_the_share[2]",
+    "tests/test_scripts.py::test_accelerate_launch_without_a_config_says_at_once_that_it_runs",
+    # The benchmark's launches beside the peers, under load, several fresh launches and a killed
+    # bench (test_bench's allreduce, collectives and train runs stay), and the README's --quick
+    # line (test_bench's quick run stays).
+    "tests/tooling/test_bench.py::test_runs_are_fresh_launches_summed_up_by_median_and_worst",
+    "tests/tooling/test_bench.py::test_allreduce_beside_the_peers_mpi_and_deepspeed",
+    "tests/tooling/test_bench.py::test_load_runs_one_process_per_core_and_ends_with_the_run",
+    "tests/tooling/test_bench.py::test_load_and_ranks_die_with_a_killed_bench",
+    "tests/tooling/test_readme.py::test_a_readme_command_runs_as_written"
+    "[ddpx-bench allreduce --quick]",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(CI_ONLY):
+            item.add_marker(pytest.mark.ci)
 
 
 @pytest.fixture(scope="module")
