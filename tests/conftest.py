@@ -7,7 +7,8 @@ from distributed import RankPool
 # Checks left out of the default suite (what every change runs, in minutes) that CI runs after it
 # (`pytest -m ci`, in .ci/run): each guards something a change seldom touches, or is a larger
 # variant of a check the default suite makes, and costs several seconds of a core, mostly
-# importing torch in the processes it launches. Node-id prefixes, with what still covers the
+# importing torch in the processes it launches. Each entry is a file, a test (all its
+# parameters), or, with "[", the parameters that start so; beside each, what still covers the
 # behaviour in the default suite.
 CI_ONLY = (
     # The build: the CUDA glue parsed against torch's headers, the kernels compiled with nvcc, a
@@ -15,7 +16,8 @@ CI_ONLY = (
     # also in .ci/run, does the same).
     "tests/test_cuda.py::test_cuda_glue_has_no_compile_errors_of_its_own",
     "tests/test_cuda.py::test_cuda_source_compiles",
-    "tests/tooling/test_build.py::test_a_second_build_compiles_nothing",
+    "tests/tooling/test_build.py::"
+    "test_a_second_build_compiles_nothing_and_leaves_the_loaded_extension",
     "tests/test_arm.py",
     # PyTorch's own distributed tests on ddpx (the default suite runs the backend's collectives
     # against gloo in tests/test_backend.py).
@@ -36,10 +38,19 @@ CI_ONLY = (
     "tests/test_timeouts.py::test_a_stopped_peer_raises_within_the_groups_timeout[shared-blocks]",
     "tests/test_faults.py::test_a_dev_shm_too_small_falls_back_or_fails_strictly[cap-False]",
     "tests/test_threads.py::test_mp_spawn_without_omp_num_threads_gets_the_share[2]",
-    "tests/test_scripts.py::test_accelerate_launch_without_a_config_says_at_once_that_it_runs",
-    # The benchmark's launches beside the peers, under load, several fresh launches and a killed
-    # bench (test_bench's allreduce, collectives and train runs stay), and the README's --quick
-    # line (test_bench's quick run stays).
+    "tests/test_scripts.py::"
+    "test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_process",
+    # The Hugging Face Trainer on the ddpx backend and with the fused hook, one pair of launches
+    # (Lightning's on both stay); a second job on the node at once (every test's own job shows a
+    # segment per job).
+    "tests/test_trainers.py::test_hf_trainer_on_the_ddpx_backend",
+    "tests/test_trainers.py::test_hf_trainer_with_the_fused_hook",
+    "tests/test_faults.py::test_two_jobs_at_once_each_get_their_own_sums",
+    # The benchmark's launches beside the peers, under load, several fresh launches, a killed
+    # bench, and its collectives and train modes (test_bench's allreduce and quick runs stay),
+    # and the README's --quick line (test_bench's quick run stays).
+    "tests/tooling/test_bench.py::test_collectives",
+    "tests/tooling/test_bench.py::test_train",
     "tests/tooling/test_bench.py::test_runs_are_fresh_launches_summed_up_by_median_and_worst",
     "tests/tooling/test_bench.py::test_allreduce_beside_the_peers_mpi_and_deepspeed",
     "tests/tooling/test_bench.py::test_load_runs_one_process_per_core_and_ends_with_the_run",
@@ -49,9 +60,15 @@ CI_ONLY = (
 )
 
 
+def _ci_only(nodeid: str) -> bool:
+    return any(nodeid.startswith(entry) if "[" in entry
+               else nodeid == entry or nodeid.startswith((entry + "[", entry + "::"))
+               for entry in CI_ONLY)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.startswith(CI_ONLY):
+        if _ci_only(item.nodeid):
             item.add_marker(pytest.mark.ci)
 
 
