@@ -26,12 +26,9 @@ void allgather_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, con
   const char* src = static_cast<const char*>(in);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
-    uint64_t step = b == 0 ? carried : 0;
-    if (step == 0) {
-      step = comm.exchange(
-          mine, false, [&](char* slot) { kernels().copy(slot, src + lo, count, Write::Cached); },
-          what);
-    }
+    const uint64_t step = comm.block_step(
+        mine, b, carried, [&](char* slot) { kernels().copy(slot, src + lo, count, Write::Cached); },
+        what);
     if (count == 0) continue;
     for (int r = 0; r < comm.local_ranks(); ++r) {
       place(r, lo, r == comm.local_rank() ? src + lo : comm.input_slot(r, step), count);

@@ -74,14 +74,12 @@ void fill_block(const AllreduceCall& call, int64_t b, char* slot) {
   }
 }
 
-// Block b after the first: puts it into this rank's input slot, waits for every peer's, and
-// returns its step.
-uint64_t arrive(const AllreduceCall& call, int64_t b) {
-  const uint64_t step = call.comm.next_step();
-  fill_block(call, b, call.comm.input_slot(call.blocks.me, step));
-  call.comm.publish(Phase::Arrive, step);
-  call.comm.wait_all(Phase::Arrive, step, call.what, call.wide);
-  return step;
+// Block b's step: `carried` where the call's opening carried block 0, else a new one with block b
+// in this rank's input slot and every peer's awaited (NodeComm::block_step).
+uint64_t arrive(const AllreduceCall& call, int64_t b, uint64_t carried) {
+  return call.comm.block_step(
+      call.meta, size_t(b), carried, [&](char* slot) { fill_block(call, b, slot); }, call.what,
+      call.wide);
 }
 
 // The call's first step (opening.h), with block 0 in this rank's slot where the slots carry it.
@@ -186,7 +184,7 @@ void allreduce_slots(const AllreduceCall& call, bool one_shot, uint64_t carried)
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
   for (int64_t b = 0; b < x.n; ++b) {
-    const uint64_t step = b == 0 && carried != 0 ? carried : arrive(call, b);
+    const uint64_t step = arrive(call, b, carried);
     const int64_t count = x.elements(b);
     if (one_shot) {
       for (int r = 0; r < x.ranks; ++r) srcs[r] = call.comm.input_slot(r, step);
@@ -251,8 +249,8 @@ void allreduce_across_nodes(AllreduceCall& call) {
     for (int64_t b = first; b < chunk_start(c + 1); ++b) {
       // The first block goes with the call's first step, which checks it within the node and
       // starts its check with the other nodes.
-      const uint64_t step =
-          b == 0 ? open_allreduce(call, OpenRule{-1, false, call.wide}).carried : arrive(call, b);
+      const uint64_t step = b == 0 ? open_allreduce(call, OpenRule{-1, false, call.wide}).carried
+                                   : arrive(call, b, 0);
       const auto [lo, hi] = x.slice(x.elements(b));
       sum_slice(call, step, b, lo, hi, sums_at(b));
     }

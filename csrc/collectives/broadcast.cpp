@@ -25,15 +25,12 @@ void broadcast_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried, voi
   char* bytes_at = static_cast<char*>(data);
   for (size_t b = 0; b < blocks; ++b) {
     const size_t lo = b * block, count = std::min(block, bytes - lo);
-    uint64_t step = b == 0 ? carried : 0;
-    if (step == 0) {
-      step = comm.exchange(
-          mine, false,
-          [&](char* slot) {
-            if (me == root) k.copy(slot, bytes_at + lo, count, Write::Cached);
-          },
-          what);
-    }
+    const uint64_t step = comm.block_step(
+        mine, b, carried,
+        [&](char* slot) {
+          if (me == root) k.copy(slot, bytes_at + lo, count, Write::Cached);
+        },
+        what);
     if (me != root) k.copy(bytes_at + lo, comm.input_slot(root, step), count, write);
   }
 }

@@ -72,12 +72,15 @@ CallMeta NodeComm::begin_local(Collective op, int64_t numel, int32_t dtype, doub
 }
 
 uint64_t NodeComm::exchange(const CallMeta& mine, bool first,
-                            const std::function<void(char*)>& fill, const std::string& what) {
+                            const std::function<void(char*)>& fill, const std::string& what,
+                            bool wide, ShmChannel::Clock::duration* waited) {
   const uint64_t step = ++step_;
   if (first) channel_.post(step, mine);
-  fill(channel_.input_slot(channel_.me(), step));
+  if (fill) fill(channel_.input_slot(channel_.me(), step));
   channel_.publish(ShmChannel::Phase::Arrive, step);
-  channel_.wait_all(ShmChannel::Phase::Arrive, step, what);
+  const auto waits_from = ShmChannel::Clock::now();
+  channel_.wait_all(ShmChannel::Phase::Arrive, step, what, wide);
+  if (waited) *waited = ShmChannel::Clock::now() - waits_from;
   if (first) first_step(step, mine, what);
   return step;
 }

@@ -126,10 +126,19 @@ class NodeComm {
                        const std::string& what, int32_t torch_dtype = -1);
   // The next synchronisation step of the node's channel.
   uint64_t next_step() { return ++step_; }
-  // Starts the next step: fill writes this rank's block into its input slot, then every peer's is
-  // awaited; a call's first step also checks it (first_step).
+  // Starts the next step: fill (if any) writes this rank's block into its input slot, then every
+  // peer's is awaited (wide: a wide block, ShmChannel::wait_all), that wait's length going to
+  // waited if given; a call's first step also checks it (first_step).
   uint64_t exchange(const CallMeta& mine, bool first, const std::function<void(char*)>& fill,
-                    const std::string& what);
+                    const std::string& what, bool wide = false,
+                    ShmChannel::Clock::duration* waited = nullptr);
+  // The step block b of a call goes through the slots at: `carried` for the first block where
+  // the call's opening carried it there (Opening::carried), else a new exchange with fill.
+  uint64_t block_step(const CallMeta& mine, size_t b, uint64_t carried,
+                      const std::function<void(char*)>& fill, const std::string& what,
+                      bool wide = false) {
+    return b == 0 && carried != 0 ? carried : exchange(mine, false, fill, what, wide);
+  }
   // After a call's first step, which every rank posted its description at: every rank reads local
   // rank 0's choice of schedules, then checks the call against the peers' and, across nodes,
   // starts its trade with the other nodes (finish_node_check ends it). Raises on every rank where

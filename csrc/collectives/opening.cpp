@@ -24,7 +24,6 @@ void PeerData::write(int r, size_t offset, const void* from, size_t bytes) const
 Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes,
                   const OpenRule& rule, const std::function<void(char*)>& fill,
                   const std::string& what) {
-  using Phase = ShmChannel::Phase;
   ShmChannel& channel = comm.channel();
   // Valid only once this rank has found that it reaches every peer's memory (its probe, at its
   // first call), so that what the ranks post decides alike on all; never across nodes.
@@ -34,15 +33,9 @@ Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes
       mine.arena = Arena::process().find(data, bytes);
     }
   }
-  const uint64_t step = comm.next_step();
-  channel.post(step, mine);
-  if (fill && !mine.arena.valid() && !rule.unmapped_too)
-    fill(channel.input_slot(channel.me(), step));
-  channel.publish(Phase::Arrive, step);
-  const auto waits_from = ShmChannel::Clock::now();
-  channel.wait_all(Phase::Arrive, step, what, rule.wide);
-  const auto skew = ShmChannel::Clock::now() - waits_from;
-  comm.first_step(step, mine, what);
+  const bool fills = fill && !mine.arena.valid() && !rule.unmapped_too;
+  ShmChannel::Clock::duration skew{};
+  const uint64_t step = comm.exchange(mine, true, fills ? fill : nullptr, what, rule.wide, &skew);
 
   bool reach = true, any_arena = false, reads_mapped = true;
   for (int r = 0; r < channel.size(); ++r) {

@@ -54,13 +54,10 @@ void reduce_scatter_slots(NodeComm& comm, const CallMeta& mine, uint64_t carried
   const void* srcs[kMaxLocalRanks];
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t lo = s * part, todo = std::min(part, count - lo);
-    uint64_t step = s == 0 ? carried : 0;
-    if (step == 0) {
-      step = comm.exchange(
-          mine, false,
-          [&](char* slot) { fill_parts(slot, ins, n, dtype, wire, part, lo, todo, input_scale); },
-          what);
-    }
+    const uint64_t step = comm.block_step(
+        mine, s, carried,
+        [&](char* slot) { fill_parts(slot, ins, n, dtype, wire, part, lo, todo, input_scale); },
+        what);
     if (todo <= 0) continue;
     for (int r = 0; r < n; ++r) {
       srcs[r] = comm.input_slot(r, step) + size_t(me * part) * wire_size;
