@@ -1,17 +1,25 @@
-"""How the ranks of a group meet to set up its engine: keys in a c10d store they share, the node
-each rank is on, and how a rank whose set-up failed tells the others, so none waits in vain."""
+"""How the ranks of a group meet to set up its engine: keys in a c10d store they share, under a
+token of this meeting alone; the node each rank is on; and how a rank whose set-up failed tells
+the others, so none waits in vain."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
+import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
 __all__ = ["Meeting", "failed", "node_identity", "raise_if_failed"]
 
 _generation: dict[str, int] = {}
+
+
+# How often a rank that read a stale token looks for the one its rank 0 draws (seconds).
+_TOKEN_POLL_S = 0.005
 
 
 class Meeting:
@@ -22,11 +30,60 @@ class Meeting:
         self.prefix = prefix
 
     @classmethod
-    def of_group(cls, group) -> Meeting:
+    def open(cls, store, place: str, me: int, ranks: list[int], timeout: timedelta) -> Meeting:
+        """The meeting of the group's ranks at ``place`` in ``store``, keyed by a token that its
+        rank 0 draws and every rank confirms: keys a rank of an earlier start of the job left
+        there are never read.
+
+        torchrun's restarts hand every start of a job the same store, and the keys of the dead
+        start stay in it (torch 2.13's rendezvous prefixes none by restart); the restart count
+        (TORCHELASTIC_RESTART_COUNT) differs between nodes, as only the node whose rank failed
+        counts its restart. So rank 0 puts a fresh random token at ``place``; each other rank
+        reads what is there, however old, and acknowledges it with a random name of its own; rank
+        0 confirms the token with the names of its ranks; a rank that reads a confirmation without
+        its own name read a stale token, and reads ``place`` again until the fresh one is there.
+        """
+        if len(ranks) == 1:
+            return cls(store, f"{place}/{secrets.token_hex(8)}")
+        meeting = cls(store, place)
+        if me == 0:
+            token = secrets.token_hex(8)
+            store.set(f"{place}/token", token)
+            names = [meeting._wait(f"{place}/ack/{token}/{r}", ranks[r], timeout).decode()
+                     for r in range(1, len(ranks))]
+            store.set(f"{place}/confirmed/{token}", json.dumps(names))
+            return cls(store, f"{place}/{token}")
+        name = secrets.token_hex(8)
+        deadline = time.monotonic() + timeout.total_seconds()
+        acknowledged = None
+        while True:
+            token = meeting._wait(f"{place}/token", ranks[0], timeout).decode()
+            if token != acknowledged:
+                store.set(f"{place}/ack/{token}/{me}", name)
+                acknowledged = token
+            confirmed = f"{place}/confirmed/{token}"
+            if store.check([confirmed]):
+                if json.loads(store.get(confirmed))[me - 1] == name:
+                    return cls(store, f"{place}/{token}")
+            if time.monotonic() > deadline:
+                raise meeting._absent(ranks[0], RuntimeError(
+                    f"no token of this start of the job confirmed within {timeout}"))
+            time.sleep(_TOKEN_POLL_S)
+
+    @classmethod
+    def of_group(cls, group, timeout: timedelta) -> Meeting:
         generation = _generation.get(group.group_name, 0)
         _generation[group.group_name] = generation + 1
-        return cls(dist.distributed_c10d._get_default_store(),
-                   f"ddpx/{group.group_name}/{generation}")
+        return cls.open(dist.distributed_c10d._get_default_store(),
+                        f"ddpx/{group.group_name}/{generation}", dist.get_rank(group),
+                        dist.get_process_group_ranks(group), timeout)
+
+    def _wait(self, key: str, rank: int, timeout: timedelta) -> bytes:
+        try:
+            self.store.wait([key], timeout)
+            return self.store.get(key)
+        except RuntimeError as error:
+            raise self._absent(rank, error) from None
 
     def put(self, key: str, value) -> None:
         self.store.set(f"{self.prefix}/{key}", json.dumps(value))
@@ -35,14 +92,18 @@ class Meeting:
         """What global rank ``rank`` put at ``key``, waiting for it up to the store's timeout."""
         try:
             return json.loads(self.store.get(f"{self.prefix}/{key}"))
-        except RuntimeError as error:  # a timeout (DistStoreError, or FileStore's own) or a
-            # store that went away: either way the rank never got here
-            raise RuntimeError(
-                f"ddpx: rank {rank} did not join the set-up of this group's shared-memory engine "
-                f"({error}): every rank of the group makes it together, at the group's creation "
-                f"(backend 'ddpx') or at its first ddpx call (the hook's first bucket, "
-                f"ddpx.all_reduce); look at why rank {rank} has not got there"
-            ) from None
+        except RuntimeError as error:
+            raise self._absent(rank, error) from None
+
+    @staticmethod
+    def _absent(rank: int, error: RuntimeError) -> RuntimeError:
+        # A timeout (DistStoreError, or FileStore's own) or a store that went away: either way
+        # the rank never got here.
+        return RuntimeError(
+            f"ddpx: rank {rank} did not join the set-up of this group's shared-memory engine "
+            f"({error}): every rank of the group makes it together, at the group's creation "
+            f"(backend 'ddpx') or at its first ddpx call (the hook's first bucket, "
+            f"ddpx.all_reduce); look at why rank {rank} has not got there")
 
 
 def _host_identity() -> str:

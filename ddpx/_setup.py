@@ -215,7 +215,7 @@ def create_cpu_engine(group, timeout: timedelta | None):
     timeout = timeout if timeout is not None else own
     me = dist.get_rank(group)
     try:
-        return create_node_engine(Meeting.of_group(group), me,
+        return create_node_engine(Meeting.of_group(group, timeout), me,
                                   dist.get_process_group_ranks(group), timeout,
                                   shared_cross_node_groups)
     except SharedMemoryUnavailable as why:

@@ -49,6 +49,10 @@ def _create_backend(options, _backend_options):
     store, rank, size, timeout = options.store, options.group_rank, options.group_size, \
         options.timeout
     ranks = [int(r) for r in options.global_ranks_in_group] or list(range(size))
+    # Every key of the group, its inner gloo's too, under the meeting's token: a restarted job
+    # never reads what the dead start left in the store (Meeting.open).
+    meeting = Meeting.open(store, "ddpx", rank, ranks, timeout)
+    store = PrefixStore(f"{meeting.prefix}/", store)
     gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
 
     def make_cross_node_groups(node_ranks: list[int]) -> list:
@@ -58,7 +62,7 @@ def _create_backend(options, _backend_options):
 
     engine, why_not = None, ""
     try:
-        engine = create_node_engine(Meeting(store, "ddpx"), rank, ranks, timeout,
+        engine = create_node_engine(meeting, rank, ranks, timeout,
                                     make_cross_node_groups)
     except SharedMemoryUnavailable as why:
         why_not = str(why)
