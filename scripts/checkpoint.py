@@ -30,6 +30,15 @@ Launch from the repository root (every launch of basic.py works here too):
         --output_dir /tmp/ddpx_ckpt --steps 100 --resume_from_checkpoint latest
     accelerate launch --config_file scripts/configs/cpu.yaml scripts/checkpoint.py \\
         --output_dir /tmp/ddpx_whole --steps 100         # uninterrupted: the same final digest
+
+--resume_from_checkpoint auto resumes from the checkpoint in --output_dir if there is one, else
+starts at step 0: a run that restarts itself after a lost rank, as torchrun's elastic restarts do,
+resumes by itself (docs/recovery.md measures it):
+
+    torchrun --nproc_per_node 2 --max-restarts 3 --rdzv-backend c10d \\
+        --rdzv-endpoint localhost:29500 scripts/checkpoint.py --backend ddpx \\
+        --output_dir /tmp/ddpx_elastic --steps 3000 --checkpointing_steps 100 \\
+        --resume_from_checkpoint auto
 """
 
 import hashlib
@@ -86,7 +95,11 @@ def latest_checkpoint(args):
 
 
 def checkpoint_to_resume(parser, args):
-    """The checkpoint --resume_from_checkpoint names; exits, naming what it looked for, if none."""
+    """The checkpoint --resume_from_checkpoint names; exits, naming what it looked for, if none
+    (auto: "", to start at step 0)."""
+    if args.resume_from_checkpoint == "auto":
+        path = latest_checkpoint(args)
+        return path if os.path.exists(path) else ""
     if args.resume_from_checkpoint == "latest":
         path = latest_checkpoint(args)
         missing = f"no {os.path.basename(path)} in {args.output_dir}"
@@ -145,9 +158,11 @@ def train(accelerator, args):
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if args.resume_from_checkpoint:
-        path = args.resume_from_checkpoint  # "latest" became its path in main
+        path = args.resume_from_checkpoint  # "latest" and "auto" became its path in main
         load_checkpoint(accelerator, model, optimizer, progress, args, path)
         accelerator.print(f"resumed from {path} after step {progress.step}")
+    elif args.resume_from_checkpoint is not None:
+        accelerator.print(f"resumed from nothing after step 0: no checkpoint in {args.output_dir}")
     every = args.checkpointing_steps
     if every is None:
         every = max(1, args.steps // 2)
@@ -176,13 +191,15 @@ def main():
                         help="save, load back and check every N steps (default: half the steps; "
                         "0: never)")
     parser.add_argument("--resume_from_checkpoint",
-                        help='a checkpoint path, or "latest": the one in --output_dir')
+                        help='a checkpoint path; "latest": the one in --output_dir; "auto": that '
+                        "one if there is one, else start at step 0")
     parser.add_argument("--use_accelerate_state", action="store_true",
                         help="save and load with Accelerate's save_state/load_state")
     args = parser.parse_args()
     temporary = args.output_dir is None
-    if temporary and args.resume_from_checkpoint == "latest":
-        parser.error("--resume_from_checkpoint latest needs the --output_dir it is in")
+    if temporary and args.resume_from_checkpoint in ("latest", "auto"):
+        parser.error(f"--resume_from_checkpoint {args.resume_from_checkpoint} needs the "
+                     "--output_dir it is in")
     if args.resume_from_checkpoint:
         # Checked before the process group exists: every rank stops here alike, no peer waits
         # for it and nothing needs tearing down (see shutdown).
