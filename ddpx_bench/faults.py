@@ -1,23 +1,24 @@
-"""Lost ranks under torchrun's elastic restarts: scripts/checkpoint.py trains under
-`torchrun --max-restarts`, a random rank is SIGKILLed (or SIGSTOPped) at a random step, torchrun
-restarts the job and the script resumes from its latest checkpoint by itself
-(--resume_from_checkpoint auto), again and again; then the final parameters are compared with an
-uninterrupted run's.
+"""Lost ranks under elastic restarts: scripts/checkpoint.py trains under
+`torchrun --max-restarts` (or `accelerate launch --max_restarts`), a random rank is SIGKILLed (or
+SIGSTOPped) at a random step, the launcher restarts the job and the script resumes from its latest
+checkpoint by itself (--resume_from_checkpoint auto), again and again; then the final parameters
+are compared with an uninterrupted run's.
 
     python -m ddpx_bench.faults --faults 20                       # ddpx, 20 SIGKILLs
     python -m ddpx_bench.faults --backend gloo --timeout 60 --faults 10
+    python -m ddpx_bench.faults --launcher accelerate --faults 5
     python -m ddpx_bench.faults --soak_s 600 --fault_every 30,60 --signals kill,stop
 
-Each fault's line: the rank and signal, the step it came at and the checkpoint the run resumed
-from (the steps redone), and the time from the fault to each event the harness sees:
-`down` (every rank of the dead start has exited), `restarted` (torchrun has started the new
-ranks: its rendezvous and process start), `up` (rank 0 printed its world: imports, the process
-group, the model and DDP), `resumed` (the checkpoint loaded) and `training` (the first step after
-it); and, measured apart, how long the ranks take to import what they import (torch, accelerate,
-ddpx), which the summary takes away with torchrun's restart. A restart that does not reach a step within --restart_limit seconds counts as not come up,
-and the job is stopped. After the job: what is left in /dev/shm and of its processes, and whether
-the final parameter digest equals the uninterrupted run's. --json keeps every figure.
-"""
+Each fault's line: the rank and signal, the step it came at and the checkpoint the run resumed from
+(the steps redone), and the time from the fault to each event the harness sees: `down` (every rank
+of the dead start has exited), `restarted` (torchrun has started the new ranks: its rendezvous and
+process start), `up` (rank 0 printed its world: imports, the process group, the model and DDP),
+`resumed` (the checkpoint loaded) and `training` (the first step after it); and, measured apart,
+how long the ranks take to import what they import (torch, accelerate, ddpx, and torch._dynamo,
+which DDP's construction imports), which the summary takes away with torchrun's restart. A restart
+that does not reach a step within --restart_limit seconds counts as not come up, and the job is
+stopped. After the job: what is left in /dev/shm and of its processes, and whether the final
+parameter digest equals the uninterrupted run's. --json keeps every figure."""
 
 from __future__ import annotations
 
@@ -86,15 +87,22 @@ def ddpx_segments() -> set[str]:
 
 
 class Job:
-    """One torchrun of scripts/checkpoint.py: its output, line by line with the time each came,
+    """One launch of scripts/checkpoint.py: its output, line by line with the time each came,
     and its ranks (torchrun's children)."""
 
     def __init__(self, args: argparse.Namespace, output_dir: str, max_restarts: int):
+        if args.launcher == "torchrun":
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        str(args.nproc), "--max-restarts", str(max_restarts), "--rdzv-backend",
+                        "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                        "--monitor-interval", "0.1"]
+        else:
+            launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                        str(SCRIPT.parent / "configs" / "cpu.yaml"), "--num_processes",
+                        str(args.nproc), "--max_restarts", str(max_restarts),
+                        "--monitor_interval", "0.1"]
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--monitor-interval", "0.1",
-            str(SCRIPT), "--output_dir", output_dir, "--steps", str(args.steps),
+            *launcher, str(SCRIPT), "--output_dir", output_dir, "--steps", str(args.steps),
             "--checkpointing_steps", str(args.checkpoint_every), "--resume_from_checkpoint",
             "auto", "--log_every", str(args.log_every), "--seed", str(args.seed),
         ]
@@ -213,8 +221,9 @@ def _fault(job: Job, args, rng: random.Random, index: int, at_step: int | None,
 
 def import_seconds(nproc: int, times: int = 3) -> float:
     """How long ``nproc`` processes started together take to import what a rank of
-    scripts/checkpoint.py imports: the median over ``times`` tries of the slowest one."""
-    command = [sys.executable, "-c", "import torch, numpy, accelerate, ddpx"]
+    scripts/checkpoint.py imports before its first step (torch._dynamo among them: DDP's
+    construction imports it): the median over ``times`` tries of the slowest one."""
+    command = [sys.executable, "-c", "import torch, numpy, accelerate, ddpx, torch._dynamo"]
     tries = []
     for _ in range(times):
         start = time.monotonic()
@@ -318,6 +327,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("ddpx", "gloo"), default="ddpx",
                         help="ddpx: its backend and fused hook; gloo: gloo and DDP's default")
+    parser.add_argument("--launcher", choices=("torchrun", "accelerate"), default="torchrun",
+                        help="torchrun --max-restarts (c10d rendezvous), or accelerate launch "
+                        "--max_restarts (scripts/configs/cpu.yaml, its static rendezvous)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks")
     parser.add_argument("--faults", type=int, default=20, help="faults, one after each restart")
     parser.add_argument("--soak_s", type=float, default=0,
