@@ -31,10 +31,12 @@ from torchft.process_group import ProcessGroupGloo
 
 import ddpx.torchft
 
-# Every timeout of the replica's Manager and process group: long enough for a set-up on a loaded
-# 2-core machine, short enough that a replica left waiting on a survivor (gloo has no abort)
-# gives up within the test's time.
+# The replica's timeouts: long enough for a set-up on a loaded 2-core machine, short enough that a
+# replica left waiting on a survivor (gloo's may be) gives up within the test's time. The quorum's
+# is longer: a survivor asking for a quorum while the other waits out the first would otherwise
+# time out too, and torchft raises that.
 TIMEOUT = timedelta(seconds=10)
+QUORUM_TIMEOUT = 3 * TIMEOUT
 
 
 def ddpx_mappings() -> int:
@@ -75,7 +77,7 @@ def main() -> None:
                       min_replica_size=args.min_replicas, replica_id=f"replica_{args.replica}",
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=args.lighthouse, hostname="localhost", timeout=TIMEOUT,
-                      quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT)
+                      quorum_timeout=QUORUM_TIMEOUT, connect_timeout=TIMEOUT)
     wrapper = ddpx.torchft if args.ddp == "ddpx" else torchft
     # 4 KB buckets: 3 of them, so that a step's later buckets follow a failed one.
     model = wrapper.DistributedDataParallel(manager, net, bucket_cap_mb=0.004)
