@@ -7,6 +7,7 @@ to compare with; docs/recovery.md has the numbers of the -m slow run."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -31,13 +32,13 @@ LIGHTHOUSE = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
 HEARTBEAT_TIMEOUT_MS = 1000
 
 
-def test_ddpx_torchft_says_what_to_install_without_torchft():
-    done = subprocess.run(
-        [sys.executable, "-c", "import sys\nsys.modules['torchft'] = None\nimport ddpx.torchft"],
-        capture_output=True, text=True, timeout=120)
-    assert done.stderr.splitlines()[-1] == (
-        "ModuleNotFoundError: ddpx.torchft needs torchft, which is not installed: "
-        "pip install torchft"), done.stderr
+def test_ddpx_torchft_says_what_to_install_without_torchft(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as where it is not installed
+    monkeypatch.delitem(sys.modules, "ddpx.torchft", raising=False)
+    with pytest.raises(ModuleNotFoundError) as raised:
+        importlib.import_module("ddpx.torchft")
+    assert str(raised.value) == ("ddpx.torchft needs torchft, which is not installed: "
+                                 "pip install torchft")
 
 
 class Job:
