@@ -32,6 +32,7 @@ _backend.register()
 _OPTIONAL = {
     "lightning": ("pip install lightning", "lightning"),
     "transformers": ("pip install transformers", "transformers"),
+    "torchft": ("pip install torchft", "torchft"),
 }
 
 

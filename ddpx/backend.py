@@ -28,7 +28,7 @@ from ddpx._process_wide import turn_on_ddp_comm_memory
 from ddpx._segment import SharedMemoryUnavailable
 from ddpx._setup import create_node_engine
 
-__all__ = ["NAME", "backend_of"]
+__all__ = ["NAME", "backend_of", "create_backend"]
 
 NAME = "ddpx"
 logger = logging.getLogger("ddpx")
@@ -46,9 +46,17 @@ def _cross_node_group(store, ranks: list[int], lane: int, timeout, me: int):
 
 
 def _create_backend(options, _backend_options):
-    store, rank, size, timeout = options.store, options.group_rank, options.group_size, \
-        options.timeout
-    ranks = [int(r) for r in options.global_ranks_in_group] or list(range(size))
+    return create_backend(options.store, options.group_rank, options.group_size, options.timeout,
+                          [int(r) for r in options.global_ranks_in_group])
+
+
+def create_backend(store, rank: int, size: int, timeout, ranks: list[int] = ()):
+    """The ddpx backend of rank ``rank`` of ``size``, made by every rank together through
+    ``store`` (a c10d store only this group's ranks use); ``ranks``: the group's ranks as the job
+    numbers them, distinct, which errors name (default: 0..size-1). What
+    ``init_process_group("ddpx")`` and ``new_group(..., backend="ddpx")`` call; ddpx.torchft
+    calls it for each quorum."""
+    ranks = list(ranks) or list(range(size))
     # Every key of the group, its inner gloo's too, under the meeting's token: a restarted job
     # never reads what the dead start left in the store (Meeting.open).
     meeting = Meeting.open(store, "ddpx", rank, ranks, timeout)
@@ -62,8 +70,7 @@ def _create_backend(options, _backend_options):
 
     engine, why_not = None, ""
     try:
-        engine = create_node_engine(meeting, rank, ranks, timeout,
-                                    make_cross_node_groups)
+        engine = create_node_engine(meeting, rank, ranks, timeout, make_cross_node_groups)
     except SharedMemoryUnavailable as why:
         why_not = str(why)
         if rank == 0:

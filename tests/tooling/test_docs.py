@@ -41,6 +41,8 @@ ELSEWHERE = {
     "python -m pytest tests/torch_gloo_suite.py -p no:cacheprovider -o addopts= -q":
         "needs PyTorch's test files",
     "python -m pytest -m slow tests/test_torch_suite.py -k gloo_file": "-m slow",
+    "python -m pytest -q -s -m slow tests/test_torchft.py -k what_a_fault":
+        "-m slow: tests/test_torchft.py's default test runs the same jobs, a fault each",
     "bash tools/gpu_check.sh": "needs a CUDA GPU",
     "bash tools/gpu_check.sh --only tests": "needs a CUDA GPU",
 }
