@@ -176,14 +176,16 @@ def _until_new_ranks(job: Job, old: list[int], nproc: int, until: float) -> floa
 
 
 def _fault(job: Job, args, rng: random.Random, index: int, at_step: int | None,
-           at_time: float | None) -> dict:
+           at_time: float | None) -> dict | None:
     """Waits for the step (or the time) the fault comes at, signals a random rank, and follows
-    the restart to the first step after it."""
+    the restart to the first step after it; None if the run finished first."""
     start = len(job.lines)
     last_step = None
     while True:
         seen = job.wait_line(_STEP, start, time.monotonic() + args.restart_limit)
         if seen is None:
+            if _digest(job):
+                return None  # the run finished first
             return {"fault": index, "came_up": False, "why": "no step before the fault"}
         start, _, match = seen[0] + 1, seen[1], seen[2]
         last_step = int(match.group(1))
@@ -273,6 +275,8 @@ def run_faults(args: argparse.Namespace) -> dict:
                 at_step = resumed_from + rng.randint(1, 2 * args.checkpoint_every)
                 at_time = None
             record = _fault(job, args, rng, len(faults), at_step, at_time)
+            if record is None:
+                break
             faults.append(record)
             print(json.dumps(record), file=sys.stderr, flush=True)
             if not record["came_up"]:
