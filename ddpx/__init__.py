@@ -7,7 +7,7 @@ import importlib
 from ddpx import backend as _backend
 from ddpx._ext import build_info
 from ddpx.backend import backend_of
-from ddpx.engine import all_reduce
+from ddpx.engine import all_reduce, flight_record
 from ddpx.errors import record
 from ddpx.hooks import FusedHookState, fused_allreduce_hook, register_fused_hook
 
@@ -18,6 +18,7 @@ __all__ = [
     "all_reduce",
     "backend_of",
     "build_info",
+    "flight_record",
     "fused_allreduce_hook",
     "record",
     "register_fused_hook",

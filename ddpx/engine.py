@@ -19,11 +19,12 @@ import torch
 from torch.distributed.distributed_c10d import _world
 
 from ddpx._ext import extension
-from ddpx._groups import resolve_group
+from ddpx._groups import ddpx_backend, resolve_group
 from ddpx._setup import create_cpu_engine
 from ddpx._timeouts import group_with_timeout
 
-__all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "wire_dtype"]
+__all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "flight_record",
+           "wire_dtype"]
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -90,6 +91,33 @@ def engine_for(group=None, device: str = "cpu", timeout: timedelta | None = None
         by_device[device].set_group(group.group_name)
         extension().publish_engine(group.group_name, device, by_device[device])
     return by_device[device]
+
+
+def flight_record(group=None) -> str:
+    """What every rank of this node in ``group`` (default: the world) was doing, as this rank
+    reads it from the node's shared memory now: each rank's process state, the step it last
+    published, what it waits for and since when, its queued jobs and its last calls (number,
+    collective, size, dtype, state), newest first; then the rank(s) behind the others. The errors
+    of a timeout or an abort carry the same record. Not collective: any rank may call it at any
+    time, from any thread.
+
+    It is the record of the engine of ddpx's backend on a group of it, and of the engine the hook
+    and ``ddpx.all_reduce`` made for the group, where that is another.
+
+    Example::
+        >>> print(ddpx.flight_record())
+    """
+    group = resolve_group(group)
+    backend = ddpx_backend(group)
+    records = [backend.flight_record()] if backend is not None else []
+    engine = _engines.get(group, {}).get("cpu")
+    if engine is not None and (backend is None or engine is not backend.engine):
+        records.append(("the hook's engine, beside the backend's:\n" if records else "")
+                       + engine.flight_record())
+    if not records:
+        return ("ddpx: no flight record: no ddpx engine serves this group yet (make it with "
+                "backend='ddpx', or reduce over it with the hook or ddpx.all_reduce)")
+    return "\n".join(records)
 
 
 @atexit.register

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <sstream>
 
 #include "../common/errors.h"
@@ -14,12 +15,20 @@
 #include "../node/arena.h"
 
 namespace ddpx {
+namespace {
+
+// The collectives as the flight record names them (Collective's order): torch.distributed's.
+constexpr const char* kCollectiveNames[] = {"all_reduce",     "all_gather", "broadcast",
+                                            "reduce_scatter", "all_to_all", "barrier"};
+
+}  // namespace
 
 NodeComm::NodeComm(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
                    std::vector<int> ranks, size_t one_shot_bytes, std::chrono::milliseconds timeout,
                    bool initialize)
     : channel_(std::move(segment), layout, local_rank, std::move(ranks), timeout, initialize),
       schedule_(layout, one_shot_bytes) {
+  channel_.set_call_names(kCollectiveNames, int(std::size(kCollectiveNames)));
   // A rank that gives up ends its peers' waits across nodes too, not only within the node.
   channel_.set_on_fail([this](const std::string& why) {
     if (cross_node_) cross_node_->abort(why);
@@ -53,11 +62,13 @@ int NodeComm::group_rank() const {
 
 CallMeta NodeComm::begin(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
                          int root, int32_t torch_dtype) {
-  channel_.begin_call();
+  const auto began = channel_.begin_call();
   schedule_.begin_call();
   CallMeta mine{++calls_, numel, dtype, wire, scale, int32_t(op), root, 0, torch_dtype};
   mine.reaches = memory_.reaches_peers() ? 1 : 0;
   schedule_.stamp(mine);
+  // Its first step is the next one, whichever way the call opens.
+  channel_.record_call(mine, step_ + 1, began);
   return mine;
 }
 

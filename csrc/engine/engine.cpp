@@ -171,6 +171,7 @@ c10::intrusive_ptr<c10::ivalue::Future> ShmEngine::submit(Op op, c10::TypePtr ty
     TORCH_CHECK(!queue_->stopping, "ddpx: the engine was shut down");
     if (!worker_.joinable()) worker_ = std::thread(worker_loop, queue_);
     queue_->jobs.push_back(Queue::Job{std::move(op), future});
+    queue_->comm->channel().record_queued(queue_->jobs.size());
   }
   queue_->cv.notify_all();
   return future;
@@ -194,6 +195,7 @@ void ShmEngine::run(const std::function<void(NodeComm&)>& op) {
   } catch (...) {
     error = std::current_exception();
   }
+  q.comm->channel().record_job_end(error != nullptr);
   lock.lock();
   q.busy = false;
   q.cv.notify_all();
@@ -210,10 +212,15 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
       Queue::Job job = std::move(q.jobs.front());
       q.jobs.pop_front();
       q.busy = true;
+      q.comm->channel().record_queued(q.jobs.size());
       lock.unlock();
+      // The job's end goes in the flight record before its future completes.
       try {
-        job.future->markCompleted(job.op(*q.comm));
+        c10::IValue result = job.op(*q.comm);
+        q.comm->channel().record_job_end(false);
+        job.future->markCompleted(std::move(result));
       } catch (...) {
+        q.comm->channel().record_job_end(true);
         job.future->setError(std::current_exception());
       }
       // The job (its closure's tensors) is released here, before the queue's lock is taken
@@ -224,6 +231,18 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
     q.busy = false;
     q.cv.notify_all();
   }
+}
+
+std::string Engine::flight_record() const {
+  return "ddpx: no flight record (" + describe() +
+         "): its calls are the process group's, which torch's flight recorder holds for gloo "
+         "and NCCL";
+}
+
+std::string ShmEngine::flight_record() const {
+  const std::lock_guard<std::mutex> lock(queue_->mu);
+  if (!queue_->comm) return "ddpx: no flight record: the engine was shut down";
+  return queue_->comm->channel().flight_record();
 }
 
 bool ShmEngine::serves_arena() const {

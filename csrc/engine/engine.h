@@ -56,6 +56,9 @@ class Engine {
   // and under torch.compile's tracing engine_for sees a stand-in for the group, not the group.
   void set_group(std::string group_name);
   virtual std::string describe() const = 0;
+  // What every local rank was doing: its last calls, its queue, what it waits for
+  // (ShmChannel::flight_record); an engine without one says so.
+  virtual std::string flight_record() const;
   // Whether all-reduces of tensors in the ranks' arenas (arena.h) copy nothing in or out here.
   virtual bool serves_arena() const { return false; }
   // Finishes the queued work and stops the engine's threads, if it has any; later calls raise.
@@ -98,6 +101,7 @@ class ShmEngine final : public Engine {
   using Op = std::function<c10::IValue(NodeComm&)>;
   c10::intrusive_ptr<c10::ivalue::Future> submit(Op op, c10::TypePtr type);
   std::string describe() const override;
+  std::string flight_record() const override;
   bool serves_arena() const override;
   // Stops the communication thread once its current job ends and releases the communicator:
   // its helper threads, the segment's mapping and the link to other nodes with its threads.

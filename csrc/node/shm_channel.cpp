@@ -2,6 +2,7 @@
 // descriptions, the waits for them (through the waiter), and aborts.
 #include "shm_channel.h"
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "../collectives/shm_p2p.h"
@@ -19,7 +21,7 @@
 namespace ddpx {
 namespace {
 
-constexpr uint64_t kMagic = 0x3878706464ULL;  // "ddpx8": shared all-reduces' block counters
+constexpr uint64_t kMagic = 0x3978706464ULL;  // "ddpx9": the flight record
 // A rank that shares its core with a CPU-bound process waits for it a large share of the time;
 // one on an idle machine, though preempted often (by every short task that wakes on its core
 // while it spins), hardly at all (docs/under-load.md has the figures).
@@ -52,6 +54,51 @@ bool process_exited(int pid) {
   return state == 'Z' || state == 'X';
 }
 
+// A process's state as /proc says it, in words; "exited" once it is gone or a zombie. Only
+// meaningful inside our own pid namespace.
+std::string process_state(int pid) {
+  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!stat_file || !std::getline(stat_file, line)) return "exited";
+  const size_t paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return "of unknown state";
+  switch (line[paren + 2]) {
+    case 'R':
+      return "running";
+    case 'S':
+      return "sleeping";
+    case 'D':
+      return "in uninterruptible sleep";
+    case 'T':
+      return "stopped (SIGSTOP)";
+    case 't':
+      return "stopped by a debugger";
+    case 'Z':
+    case 'X':
+      return "exited";
+    default:
+      return std::string("in state ") + line[paren + 2];
+  }
+}
+
+// A call's state, and what a rank waits for, in its flight record.
+enum CallState : int32_t { kInFlight = 1, kDone = 2, kFailed = 3 };
+enum WaitKind : int32_t { kNotWaiting = 0, kWaitArrive = 1, kWaitReduce = 2, kWaitBlocks = 3 };
+
+// A time as the flight record prints it: "12 us", "0.8 ms", "10.0 s".
+std::string duration_text(int64_t ns) {
+  char text[32];
+  if (ns < 1000000) {
+    std::snprintf(text, sizeof text, "%lld us",
+                  static_cast<long long>(std::max<int64_t>(ns, 0) / 1000));
+  } else if (ns < 1000000000) {
+    std::snprintf(text, sizeof text, "%.1f ms", double(ns) / 1e6);
+  } else {
+    std::snprintf(text, sizeof text, "%.1f s", double(ns) / 1e9);
+  }
+  return text;
+}
+
 // The CPUs this process may run on; all of them if the kernel will not say.
 cpu_set_t allowed_cpus() {
   cpu_set_t set;
@@ -63,6 +110,41 @@ cpu_set_t allowed_cpus() {
 }
 
 }  // namespace
+
+// A call in its rank's flight record. Only the rank writes it; `call` is the sequence word of a
+// seqlock as well (0 while the rank rewrites the record), so that a peer reading a running rank
+// can tell a torn copy. Times are on the steady clock, which every process of the machine shares.
+struct alignas(64) ShmChannel::RecordedCall {
+  std::atomic<uint64_t> call;  // the call's number (CallMeta::call); 0: none, or being written
+  std::atomic<int32_t> state;  // CallState
+  std::atomic<int32_t> op;     // CallMeta's op, numel, dtype, wire and torch_dtype
+  std::atomic<int32_t> dtype;
+  std::atomic<int32_t> wire;
+  std::atomic<int32_t> torch_dtype;
+  std::atomic<int64_t> numel;
+  std::atomic<uint64_t> first_step;
+  std::atomic<int64_t> began_ns;
+  std::atomic<int64_t> ended_ns;
+};
+static_assert(sizeof(ShmChannel::RecordedCall) == 64, "a recorded call is one cache line");
+
+// A rank's flight record as a reader copied it.
+struct ShmChannel::RankRecord {
+  struct Call {
+    uint64_t call;
+    int32_t state, op, dtype, wire, torch_dtype;
+    int64_t numel;
+    uint64_t first_step;
+    int64_t began_ns, ended_ns;
+  };
+  uint64_t arrived, reduced, queued, waiting_for;
+  int32_t waiting;
+  int64_t waiting_since_ns;
+  std::string process;      // "pid 4242, stopped (SIGSTOP)"
+  std::string state;        // "stopped (SIGSTOP)", or empty where its pid cannot be seen
+  std::vector<Call> calls;  // newest first
+  uint64_t newest() const { return calls.empty() ? 0 : calls.front().call; }
+};
 
 struct alignas(64) ShmChannel::RankControl {
   std::atomic<uint64_t> arrived;  // last step whose block this rank has put in its input slot
@@ -87,6 +169,13 @@ struct alignas(64) ShmChannel::RankControl {
   // blocks to be done is waiting for.
   std::atomic<uint64_t> summing;
   char message[512];  // why this rank rejected its input or aborted
+  // The flight record, on lines of its own: the rank writes them at every call and every wait it
+  // has to make, and its peers read them only to report, so no hot wait shares their lines.
+  alignas(64) std::atomic<uint64_t> queued;  // jobs waiting in its engine behind the one running
+  std::atomic<int32_t> waiting;              // WaitKind
+  std::atomic<uint64_t> waiting_for;         // the step, or the shared blocks' end
+  std::atomic<int64_t> waiting_since_ns;     // steady clock
+  RecordedCall calls[kRecordedCalls];        // call n in calls[n % kRecordedCalls]
 };
 
 struct ShmChannel::Header {
@@ -216,13 +305,15 @@ void ShmChannel::check_not_aborted() const {
   const int32_t by = header_->aborted_by.load(std::memory_order_acquire);
   if (by == 0) return;
   C10_THROW_ERROR(DistBackendError, "ddpx: the collective was aborted by " + rank_name(by - 1) +
-                                        ": " + control_[by - 1].message);
+                                        ": " + control_[by - 1].message + "\n" + flight_record());
 }
 
 void ShmChannel::fail(const std::string& message) {
   failure_ = message;
+  // Read before the peers are let go: the record of the moment this rank gave up.
+  const std::string record = flight_record();
   abort(message);
-  C10_THROW_ERROR(DistBackendError, message);
+  C10_THROW_ERROR(DistBackendError, message + "\n" + record);
 }
 
 void ShmChannel::abort(const std::string& why) {
@@ -354,8 +445,18 @@ class ShmChannel::StepWait final : public ShmChannel::Wait {
   bool wide_;
 };
 
+// A wait in this rank's flight record while it lasts.
+struct ShmChannel::RecordedWait {
+  RecordedWait(ShmChannel& channel, int32_t kind, uint64_t until) : ch(channel) {
+    ch.record_wait(kind, until);
+  }
+  ~RecordedWait() { ch.record_wait_over(); }
+  ShmChannel& ch;
+};
+
 void ShmChannel::wait_all(Phase phase, uint64_t step, const std::string& what, bool wide) {
   if (late(phase, step) == 0) return;
+  const RecordedWait recorded(*this, phase == Phase::Arrive ? kWaitArrive : kWaitReduce, step);
   StepWait wait(*this, phase, step, what, wide);
   waiter_.wait(wait, wait_timeout());
 }
@@ -417,6 +518,7 @@ class ShmChannel::BlocksWait final : public ShmChannel::Wait {
 
 void ShmChannel::wait_blocks_done(uint64_t end, const std::string& what) {
   if (header_->done_blocks.load(std::memory_order_acquire) >= end) return;
+  const RecordedWait recorded(*this, kWaitBlocks, end);
   BlocksWait wait(*this, end, what);
   waiter_.wait(wait, wait_timeout());
 }
@@ -429,7 +531,7 @@ bool ShmChannel::same_pid_namespace(int rank) const {
   return control_[rank].pid_ns == control_[me_].pid_ns;
 }
 
-void ShmChannel::begin_call() {
+ShmChannel::Clock::time_point ShmChannel::begin_call() {
   if (!failure_.empty()) {
     C10_THROW_ERROR(DistBackendError, failure_ + " (the engine is unusable after this)");
   }
@@ -439,7 +541,7 @@ void ShmChannel::begin_call() {
   control_[me_].allowed = allowed_cpus();
   waiter_.set_oversubscribed(oversubscribed());
   const auto now = Clock::now();
-  if (now - delay_since_ < kDelaySpan) return;
+  if (now - delay_since_ < kDelaySpan) return now;
   const int tid = int(gettid());
   const int64_t delay = run_delay_ns();
   if (tid == delay_tid_ && delay >= 0 && delay_at_ >= 0 &&
@@ -449,6 +551,7 @@ void ShmChannel::begin_call() {
   delay_tid_ = tid;
   delay_at_ = delay;
   delay_since_ = now;
+  return now;
 }
 
 bool ShmChannel::waited_for_cpu_within(Clock::duration window) const {
@@ -457,6 +560,238 @@ bool ShmChannel::waited_for_cpu_within(Clock::duration window) const {
     if (control_[r].cpu_waited_ns.load(std::memory_order_relaxed) >= since) return true;
   }
   return false;
+}
+
+void ShmChannel::record_call(const CallMeta& meta, uint64_t first_step, Clock::time_point began) {
+  RankControl& mine = control_[me_];
+  const int64_t now = began.time_since_epoch().count();
+  RecordedCall& before = mine.calls[(meta.call - 1) % kRecordedCalls];
+  if (before.state.load(std::memory_order_relaxed) == kInFlight) {
+    before.ended_ns.store(now, std::memory_order_relaxed);
+    before.state.store(kDone, std::memory_order_release);
+  }
+  RecordedCall& r = mine.calls[meta.call % kRecordedCalls];
+  r.call.store(0, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  r.state.store(kInFlight, std::memory_order_relaxed);
+  r.op.store(meta.op, std::memory_order_relaxed);
+  r.dtype.store(meta.dtype, std::memory_order_relaxed);
+  r.wire.store(meta.wire, std::memory_order_relaxed);
+  r.torch_dtype.store(meta.torch_dtype, std::memory_order_relaxed);
+  r.numel.store(meta.numel, std::memory_order_relaxed);
+  r.first_step.store(first_step, std::memory_order_relaxed);
+  r.began_ns.store(now, std::memory_order_relaxed);
+  r.ended_ns.store(0, std::memory_order_relaxed);
+  r.call.store(meta.call, std::memory_order_release);
+  last_recorded_ = meta.call;
+}
+
+void ShmChannel::record_job_end(bool failed) {
+  RecordedCall& r = control_[me_].calls[last_recorded_ % kRecordedCalls];
+  if (last_recorded_ == 0 || r.state.load(std::memory_order_relaxed) != kInFlight) return;
+  r.ended_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  r.state.store(failed ? kFailed : kDone, std::memory_order_release);
+}
+
+void ShmChannel::record_queued(size_t jobs) {
+  control_[me_].queued.store(jobs, std::memory_order_relaxed);
+}
+
+void ShmChannel::record_wait(int32_t kind, uint64_t until) {
+  RankControl& mine = control_[me_];
+  mine.waiting_for.store(until, std::memory_order_relaxed);
+  mine.waiting_since_ns.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  mine.waiting.store(kind, std::memory_order_release);
+}
+
+void ShmChannel::record_wait_over() {
+  control_[me_].waiting.store(kNotWaiting, std::memory_order_relaxed);
+}
+
+ShmChannel::RankRecord ShmChannel::read_record(int rank) const {
+  const RankControl& c = control_[rank];
+  RankRecord out{};
+  out.arrived = c.arrived.load(std::memory_order_relaxed);
+  out.reduced = c.reduced.load(std::memory_order_relaxed);
+  out.queued = c.queued.load(std::memory_order_relaxed);
+  out.waiting = c.waiting.load(std::memory_order_acquire);
+  out.waiting_for = c.waiting_for.load(std::memory_order_relaxed);
+  out.waiting_since_ns = c.waiting_since_ns.load(std::memory_order_relaxed);
+  const int pid = c.pid;
+  if (pid <= 0) {
+    out.process = "not attached yet";
+  } else if (!same_pid_namespace(rank)) {
+    out.process = "pid " + std::to_string(pid) + " in another pid namespace";
+  } else {
+    out.state = process_state(pid);
+    out.process = "pid " + std::to_string(pid) + ", " + out.state;
+  }
+  for (const RecordedCall& r : c.calls) {
+    // A running rank may rewrite the record as it is read: read again, a few times.
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      RankRecord::Call copy{};
+      copy.call = r.call.load(std::memory_order_acquire);
+      if (copy.call == 0) continue;
+      copy.state = r.state.load(std::memory_order_acquire);
+      copy.op = r.op.load(std::memory_order_relaxed);
+      copy.dtype = r.dtype.load(std::memory_order_relaxed);
+      copy.wire = r.wire.load(std::memory_order_relaxed);
+      copy.torch_dtype = r.torch_dtype.load(std::memory_order_relaxed);
+      copy.numel = r.numel.load(std::memory_order_relaxed);
+      copy.first_step = r.first_step.load(std::memory_order_relaxed);
+      copy.began_ns = r.began_ns.load(std::memory_order_relaxed);
+      copy.ended_ns = r.ended_ns.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (r.call.load(std::memory_order_relaxed) != copy.call) continue;
+      out.calls.push_back(copy);
+      break;
+    }
+  }
+  std::sort(out.calls.begin(), out.calls.end(),
+            [](const RankRecord::Call& a, const RankRecord::Call& b) { return a.call > b.call; });
+  return out;
+}
+
+namespace {
+
+using RankRecord = ShmChannel::RankRecord;
+
+// "#57 all_reduce of 1048576 float32 (bfloat16 on the wire)", named by names[op].
+std::string call_text(const RankRecord::Call& c, const char* const* names, int name_count) {
+  std::ostringstream out;
+  out << "#" << c.call;
+  if (c.numel < 0) {
+    out << " (this rank rejected its input)";
+    return out.str();
+  }
+  if (c.op >= 0 && c.op < name_count) {
+    out << " " << names[c.op];
+  } else {
+    out << " collective " << c.op;
+  }
+  if (c.numel == 0 && c.dtype < 0) return out.str();  // a barrier, or no bytes
+  out << " of " << c.numel;
+  if (c.dtype < 0) {
+    out << " bytes";
+    if (c.torch_dtype >= 0) out << " of " << c10::ScalarType(c.torch_dtype);
+  } else {
+    out << " " << dtype_name(DType(c.dtype));
+    if (c.wire != c.dtype && c.wire >= 0) {
+      out << " (" << dtype_name(DType(c.wire)) << " on the wire)";
+    }
+  }
+  return out.str();
+}
+
+// "in flight for 10.0 s since step 1230", "done in 0.8 ms, 10.1 s ago"
+std::string state_text(const RankRecord::Call& c, int64_t now) {
+  if (c.state == kInFlight) {
+    return "in flight for " + duration_text(now - c.began_ns) + " since step " +
+           std::to_string(c.first_step);
+  }
+  return std::string(c.state == kFailed ? "failed after " : "done in ") +
+         duration_text(c.ended_ns - c.began_ns) + ", " + duration_text(now - c.ended_ns) + " ago";
+}
+
+}  // namespace
+
+std::string ShmChannel::ranks_text(RankSet ranks) const {
+  return ((ranks & (ranks - 1)) == 0 ? "rank " : "ranks ") + numbers(ranks);
+}
+
+std::string ShmChannel::behind(const std::vector<RankRecord>& records, int64_t now) const {
+  const int n = layout_.nranks;
+  const auto key = [&](int r) {
+    return std::make_pair(records[size_t(r)].newest(), records[size_t(r)].arrived);
+  };
+  auto lowest = key(0);
+  for (int r = 1; r < n; ++r) lowest = std::min(lowest, key(r));
+  RankSet late = 0;
+  std::map<uint64_t, RankSet> ahead;  // the other ranks, by the call they are in
+  for (int r = 0; r < n; ++r) {
+    if (key(r) == lowest) {
+      late |= RankSet(1) << r;
+    } else {
+      ahead[records[size_t(r)].newest()] |= RankSet(1) << r;
+    }
+  }
+  std::ostringstream out;
+  if (ahead.empty()) {
+    if (lowest.first == 0) return "behind: none, no rank has made a call yet";
+    out << "behind: none, every rank is in #" << lowest.first << " at step " << lowest.second;
+    return out.str();
+  }
+  out << "behind: ";
+  for (RankSet r = late; r != 0; r &= r - 1) {
+    const int rank = __builtin_ctzll(r);
+    const RankRecord& rec = records[size_t(rank)];
+    out << (r == late ? "" : "; ") << rank_name(rank);
+    if (!rec.state.empty()) out << " (" << rec.state << ")";
+    if (rec.calls.empty()) {
+      out << ", no call yet";
+      continue;
+    }
+    out << ", its last call " << call_text(rec.calls.front(), call_names_, call_name_count_) << ": "
+        << state_text(rec.calls.front(), now);
+    if (ahead.count(lowest.first)) out << ", at step " << rec.arrived;
+  }
+  for (const auto& [call, ranks] : ahead) {
+    const bool one = (ranks & (ranks - 1)) == 0;
+    out << "; " << ranks_text(ranks) << (one ? " is" : " are")
+        << (call == lowest.first ? " further" : "") << " in #" << call;
+  }
+  return out.str();
+}
+
+std::string ShmChannel::flight_record() const {
+  try {
+    const int n = layout_.nranks;
+    const int64_t now = Clock::now().time_since_epoch().count();
+    std::vector<RankRecord> records;
+    for (int r = 0; r < n; ++r) records.push_back(read_record(r));
+    std::ostringstream out;
+    out << "ddpx flight record, as " << rank_name(me_)
+        << " reads it from the node's shared memory (calls newest first):";
+    for (int r = 0; r < n; ++r) {
+      const RankRecord& rec = records[size_t(r)];
+      out << "\n  " << rank_name(r) << " (" << rec.process << "): last published step "
+          << rec.arrived;
+      if (rec.reduced > 0 && rec.reduced != rec.arrived) {
+        out << " (its last reduction, step " << rec.reduced << ")";
+      }
+      if (rec.waiting != kNotWaiting) {
+        out << "; waiting " << duration_text(now - rec.waiting_since_ns) << " ";
+        RankSet late = 0;
+        for (int p = 0; p < n; ++p) {
+          const RankRecord& peer = records[size_t(p)];
+          const bool in_block = control_[p].summing.load(std::memory_order_relaxed) > 0;
+          const uint64_t published = rec.waiting == kWaitArrive ? peer.arrived : peer.reduced;
+          const bool awaited = rec.waiting == kWaitBlocks ? in_block : published < rec.waiting_for;
+          if (p != r && awaited) late |= RankSet(1) << p;
+        }
+        // Whom it waits for, from the counters as they are now: a wait about to end has none.
+        const std::string whom = late == 0 ? "its peers (all there by now)" : ranks_text(late);
+        if (rec.waiting == kWaitBlocks) {
+          out << "for " << whom << " to sum the shared blocks of its call";
+        } else {
+          out << "for " << whom << (rec.waiting == kWaitArrive ? " to send" : " to reduce")
+              << " step " << rec.waiting_for;
+        }
+      } else {
+        out << "; not waiting";
+      }
+      out << "; " << rec.queued << " job" << (rec.queued == 1 ? "" : "s") << " queued";
+      if (rec.calls.empty()) out << "; no call yet";
+      for (const RankRecord::Call& c : rec.calls) {
+        out << "\n    " << call_text(c, call_names_, call_name_count_) << ": "
+            << state_text(c, now);
+      }
+    }
+    if (n > 1) out << "\n  " << behind(records, now);
+    return out.str();
+  } catch (const std::exception& e) {
+    return std::string("ddpx flight record unreadable: ") + e.what();
+  }
 }
 
 }  // namespace ddpx

@@ -12,6 +12,10 @@
 // A wait spins, yields or sleeps on a futex depending on where the ranks may run (waiter.h);
 // every wait is bounded, ends when a peer's process exits, and once one rank gives up every
 // other rank's wait ends with its reason.
+//
+// Each rank also keeps its flight record in the segment: its last calls, its engine's queue and
+// what it waits for. Any rank reads every rank's, a stopped or dead one's included, and the errors
+// that end a call carry it (flight_record).
 #pragma once
 
 #include <sched.h>
@@ -33,6 +37,8 @@
 namespace ddpx {
 
 constexpr int kMaxLocalRanks = kMaxSources;
+// How many of its last calls a rank keeps in its flight record.
+constexpr int kRecordedCalls = 4;
 
 // What the segment holds, for this many ranks and steps of this many bytes.
 struct ShmLayout {
@@ -114,13 +120,13 @@ class ShmChannel {
   void wait_all(Phase phase, uint64_t step, const std::string& what, bool wide = false);
 
   // Raises if an earlier call failed here or on a peer; then reads this rank's binding, and how
-  // long the calling thread has waited for a CPU lately.
-  void begin_call();
+  // long the calling thread has waited for a CPU lately. Returns when it started.
+  Clock::time_point begin_call();
   // Whether any rank of the node found itself waiting for its CPU within this long: the machine
   // is busy, or the ranks outnumber their CPUs.
   bool waited_for_cpu_within(Clock::duration window) const;
   // Gives up: every peer's wait ends with message, then on_fail(message) runs, then this throws
-  // it (DistBackendError). The channel is unusable after this.
+  // it (DistBackendError) with the flight record. The channel is unusable after this.
   [[noreturn]] void fail(const std::string& message);
   // ProcessGroup.abort(), from any thread: every wait of this rank's calls and of its peers' ends
   // with why, as fail's do, and every call after raises it; nothing is thrown here.
@@ -149,6 +155,24 @@ class ShmChannel {
   // Returns once every block below end is done; bounded, and ended by a peer's exit, like
   // wait_all.
   void wait_blocks_done(uint64_t end, const std::string& what);
+  // The flight record. How it names the collectives: names[op] for CallMeta::op (an array that
+  // outlives the channel).
+  void set_call_names(const char* const* names, int count) {
+    call_names_ = names;
+    call_name_count_ = count;
+  }
+  // This rank's call that meta describes began at `began` and goes through the slots from
+  // first_step on; the call before it, if still in flight, is done.
+  void record_call(const CallMeta& meta, uint64_t first_step, Clock::time_point began);
+  // The end of an engine's job: its last call, if still in flight, is done or failed.
+  void record_job_end(bool failed);
+  // How many jobs wait in this rank's engine queue, not started yet.
+  void record_queued(size_t jobs);
+  // What every local rank was doing, as this rank reads their records now: its process state, the
+  // step it last published, what it waits for, its queued jobs and its last calls, newest first;
+  // then the rank(s) behind the others. Never raises.
+  std::string flight_record() const;
+
   // Local rank `rank`'s words for reaching its memory (peer_memory.h), in its control block.
   PeerMemoryWords& memory_words(int rank) const;
   // Whether local rank `rank` runs in this rank's pid namespace, where its pid means its process.
@@ -157,6 +181,8 @@ class ShmChannel {
   // What the segment starts with, and each rank's part of it (defined in the .cpp).
   struct Header;
   struct RankControl;
+  struct RecordedCall;
+  struct RankRecord;  // a rank's flight record, as a reader copied it
 
  private:
   // The waits, as the waiter asks them (defined in the .cpp).
@@ -174,7 +200,18 @@ class ShmChannel {
   bool may_run_on(RankSet ranks, const cpu_set_t& cpus) const;
   // "1, 3": the process-group ranks of `ranks`.
   std::string numbers(RankSet ranks) const;
+  // "rank 1", "ranks 1, 3"
+  std::string ranks_text(RankSet ranks) const;
   void check_not_aborted() const;
+  // The start and the end of a wait that is needed, in this rank's flight record: its kind (the
+  // .cpp's WaitKind) and the step, or the shared blocks' end, it waits for.
+  void record_wait(int32_t kind, uint64_t until);
+  void record_wait_over();
+  // Local rank `rank`'s flight record, copied out of its control block; and the line that names
+  // the ranks behind the others, from every rank's (defined in the .cpp).
+  RankRecord read_record(int rank) const;
+  std::string behind(const std::vector<RankRecord>& records, int64_t now_ns) const;
+  struct RecordedWait;  // a wait in the flight record while it lasts
   // What bounds a wait: the call's timeout, if one is set, else the channel's.
   std::chrono::milliseconds wait_timeout() const {
     return call_timeout_.count() > 0 ? call_timeout_ : timeout_;
@@ -197,6 +234,9 @@ class ShmChannel {
   int64_t delay_at_ = -1;
   int delay_tid_ = 0;
   Clock::time_point delay_since_{};
+  uint64_t last_recorded_ = 0;  // the number of this rank's newest recorded call
+  const char* const* call_names_ = nullptr;
+  int call_name_count_ = 0;
 };
 
 }  // namespace ddpx

@@ -157,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("dense_wire_only") = false)
       .def("set_group", &Engine::set_group, py::arg("group_name"))
       .def("describe", &Engine::describe)
+      .def("flight_record", &Engine::flight_record, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 
   py::class_<ShmEngine, Engine, std::shared_ptr<ShmEngine>>(m, "ShmEngine", py::module_local())
@@ -344,6 +345,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("_set_default_timeout", &Backend::set_timeout, py::arg("timeout"))
       .def_property_readonly("engine", &Backend::engine)
       .def_property_readonly("why_not", &Backend::why_not)
+      .def(
+          "flight_record",
+          [](const Backend& b) {
+            if (b.engine()) return b.engine()->flight_record();
+            return "ddpx: no flight record: this group's collectives go to gloo (" + b.why_not() +
+                   ")";
+          },
+          py::call_guard<py::gil_scoped_release>())
       .def("routes", [](const Backend& b) {
         py::dict out;
         for (const auto& [name, counts] : b.routes()) {

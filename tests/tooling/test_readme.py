@@ -55,6 +55,7 @@ SIGNATURES = [
     "ddpx.all_reduce(tensor, *, group=None, average=False, compression=None)",
     "ddpx.backend_of(group=None)",
     "ddpx.build_info()",
+    "ddpx.flight_record(group=None)",
     "ddpx.record(fn)",
 ]
 # Code that a job holds verbatim: API_JOB below, or the named test's.
@@ -151,6 +152,7 @@ assert tensor.tolist() == [3.0] * 4
 backend = ddpx.backend_of(group=None)
 print(f"PATHS {state.describe()} | {backend.describe()} | {backend.routes()}")
 print(f"BUILD {ddpx.build_info()}")
+print(f"RECORD {ddpx.flight_record(group=None)}")
 print(f"SCHEDULE {ddpx.engine.engine_for(group).schedule}")
 
 accelerator = Accelerator(cpu=True)  # takes the group made above
@@ -248,6 +250,7 @@ def test_the_readme_api_lines_run_as_written(tmp_path):
     stdout = torchrun(tmp_path, "api.py", API_JOB)
     assert stdout.count("PATHS ddpx shared memory, 2 ranks a node") == 2, stdout
     assert stdout.count("SCHEDULE auto") == 2 and stdout.count("ACCELERATE 2") == 2
+    assert stdout.count("RECORD ddpx flight record, as rank ") == 2, stdout
 
 
 @pytest.mark.parametrize("command", sorted(RUN_HERE))
