@@ -69,17 +69,22 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _restart_count(pids: list[int]) -> int | None:
-    """TORCHELASTIC_RESTART_COUNT of these ranks: how many times torchrun has restarted them."""
-    for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for entry in environ:
-            if entry.startswith(b"TORCHELASTIC_RESTART_COUNT="):
-                return int(entry.partition(b"=")[2])
+def _environ(pid: int, name: str) -> int | None:
+    """The integer the environment variable ``name`` holds in process ``pid``."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in environ:
+        if entry.startswith(name.encode() + b"="):
+            return int(entry.partition(b"=")[2])
     return None
+
+
+def _restart_count(pids: list[int]) -> int | None:
+    """TORCHELASTIC_RESTART_COUNT of these ranks: how many times the launcher restarted them."""
+    return next((n for n in (_environ(pid, "TORCHELASTIC_RESTART_COUNT") for pid in pids)
+                 if n is not None), None)
 
 
 def ddpx_segments() -> set[str]:
@@ -194,13 +199,18 @@ def _fault(job: Job, args, rng: random.Random, index: int, at_step: int | None,
             break
     ranks = job.ranks()
     restarts_before = _restart_count(ranks)
-    victim = rng.randrange(len(ranks))
+    victim = rng.choice(ranks)
     how = rng.choice(args.signals)
-    killed_at = time.monotonic()
-    os.kill(ranks[victim], _SIGNALS[how])
+    killed_at, killed_line = time.monotonic(), len(job.lines)
+    os.kill(victim, _SIGNALS[how])
     until = killed_at + args.restart_limit
-    record = {"fault": index, "signal": how, "rank": victim, "step": last_step}
+    rank = _environ(victim, "RANK")
+    record = {"fault": index, "signal": how, "rank": rank, "step": last_step}
     down = _until_all_exit(ranks, until)
+    if how == "stop" and args.backend == "ddpx":
+        # The survivors time out on it: how many of their errors' flight records name it.
+        stopped = f"behind: rank {rank} (stopped"
+        record["named_by"] = sum(stopped in line for _, line in job.lines[killed_line:])
     restarted = down and _until_new_ranks(job, ranks, args.nproc, until)
     up = restarted and job.wait_line(_WORLD, start, until)
     resumed = up and job.wait_line(_RESUMED, up[0], until)

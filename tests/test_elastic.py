@@ -4,7 +4,7 @@ random step, and each time torchrun's one restart comes up (the new start never 
 the dead one left in the store: ddpx._meeting.Meeting.open), the script resumes from its latest
 checkpoint by itself, and the final parameters equal an uninterrupted run's bit for bit; nothing
 is left in /dev/shm or of the job's processes. `-m slow`: ten minutes of faults, SIGKILL and
-SIGSTOP, every 30-60 s."""
+SIGSTOP, every 30-60 s, where the survivor of a stopped rank names it."""
 
 from __future__ import annotations
 
@@ -38,3 +38,5 @@ def test_ten_minutes_of_killed_and_stopped_ranks():
         "--restart_limit", "120"]))
     _check(result)
     assert len(result["faults"]) >= 8
+    # Every survivor's error names the stopped rank (its flight record's "behind:" line).
+    assert all(f["named_by"] == 1 for f in result["faults"] if f["signal"] == "stop")
