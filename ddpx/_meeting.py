@@ -49,7 +49,7 @@ class Meeting:
         if me == 0:
             token = secrets.token_hex(8)
             store.set(f"{place}/token", token)
-            names = [meeting._wait(f"{place}/ack/{token}/{r}", ranks[r], timeout).decode()
+            names = [meeting._wait(f"{place}/ack/{token}/{r}", ranks[r]).decode()
                      for r in range(1, len(ranks))]
             store.set(f"{place}/confirmed/{token}", json.dumps(names))
             return cls(store, f"{place}/{token}")
@@ -57,7 +57,7 @@ class Meeting:
         deadline = time.monotonic() + timeout.total_seconds()
         acknowledged = None
         while True:
-            token = meeting._wait(f"{place}/token", ranks[0], timeout).decode()
+            token = meeting._wait(f"{place}/token", ranks[0]).decode()
             if token != acknowledged:
                 store.set(f"{place}/ack/{token}/{me}", name)
                 acknowledged = token
@@ -78,11 +78,13 @@ class Meeting:
                         f"ddpx/{group.group_name}/{generation}", dist.get_rank(group),
                         dist.get_process_group_ranks(group), timeout)
 
-    def _wait(self, key: str, rank: int, timeout: timedelta) -> bytes:
+    def _wait(self, key: str, rank: int) -> bytes:
+        """The value at ``key`` (the whole key), which global rank ``rank`` puts, waiting for it
+        up to the store's timeout."""
         try:
-            self.store.wait([key], timeout)
             return self.store.get(key)
-        except RuntimeError as error:
+        except RuntimeError as error:  # a timeout (DistStoreError, or FileStore's own) or a
+            # store that went away: either way the rank never got here
             raise self._absent(rank, error) from None
 
     def put(self, key: str, value) -> None:
@@ -90,15 +92,10 @@ class Meeting:
 
     def get(self, key: str, rank: int):
         """What global rank ``rank`` put at ``key``, waiting for it up to the store's timeout."""
-        try:
-            return json.loads(self.store.get(f"{self.prefix}/{key}"))
-        except RuntimeError as error:
-            raise self._absent(rank, error) from None
+        return json.loads(self._wait(f"{self.prefix}/{key}", rank))
 
     @staticmethod
-    def _absent(rank: int, error: RuntimeError) -> RuntimeError:
-        # A timeout (DistStoreError, or FileStore's own) or a store that went away: either way
-        # the rank never got here.
+    def _absent(rank: int, error: Exception) -> RuntimeError:
         return RuntimeError(
             f"ddpx: rank {rank} did not join the set-up of this group's shared-memory engine "
             f"({error}): every rank of the group makes it together, at the group's creation "

@@ -119,6 +119,7 @@ class Job:
             command += ["--timeout", str(args.timeout)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="ERROR")
         self.lines: list[tuple[float, str]] = []
+        self.seen: set[int] = set()  # every rank's pid
         self._new_line = threading.Condition()
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env, start_new_session=True)
@@ -134,7 +135,13 @@ class Job:
             self._new_line.notify_all()
 
     def ranks(self) -> list[int]:
-        return [pid for pid in _children(self.process.pid) if _alive(pid)]
+        ranks = [pid for pid in _children(self.process.pid) if _alive(pid)]
+        self.seen.update(ranks)
+        return ranks
+
+    def left(self) -> list[int]:
+        """The job's ranks still alive: each is a session of its own, which torchrun starts."""
+        return [pid for pid in sorted(self.seen) if _alive(pid)]
 
     def wait_line(self, pattern: re.Pattern, start: int, until: float):
         """The first line from index ``start`` on that matches: (index, time, match); None if
@@ -151,13 +158,16 @@ class Job:
                 self._new_line.wait(min(0.05, max(0.0, until - time.monotonic())))
 
     def stop(self) -> None:
-        """Ends the job and every process of its session, stopped ones too."""
-        if self.process.poll() is None:
+        """Ends the job: the launcher's session, and every rank it started, stopped ones too;
+        what is still alive after is in left()."""
+        self.ranks()
+        for pid, kill in [(self.process.pid, os.killpg), *((p, os.kill) for p in self.seen)]:
             try:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.process.wait()
+        _until_all_exit(sorted(self.seen), time.monotonic() + 10)
         self._reader.join(timeout=10)
 
     def tail(self, n: int = 15) -> str:
@@ -306,7 +316,7 @@ def run_faults(args: argparse.Namespace) -> dict:
         "reference_digest": reference_digest,
         "equal": digest is not None and digest == reference_digest,
         "left_in_dev_shm": sorted(ddpx_segments() - before),
-        "left_processes": [p for p in _children(job.process.pid) if _alive(p)],
+        "left_processes": job.left() + reference.left(),
     }
 
 

@@ -59,5 +59,6 @@ def test_a_restart_never_meets_the_dead_start(delays):
 def test_a_rank_0_that_never_comes_is_named():
     store = dist.HashStore()
     _meet(store, 2, [0.0, 0.0])  # a stale token and its confirmation, which rank 1 must not take
+    store.set_timeout(timedelta(seconds=0.5))
     with pytest.raises(RuntimeError, match="rank 0 did not join"):
         Meeting.open(store, "ddpx", 1, [0, 1], timedelta(seconds=0.5))
