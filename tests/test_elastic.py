@@ -34,7 +34,7 @@ def test_ten_minutes_of_killed_and_stopped_ranks():
     # takes torchrun's 30 s grace before its SIGKILL.
     result = run_faults(parse_args([
         "--soak_s", "600", "--fault_every", "30,60", "--signals", "kill,stop", "--timeout", "5",
-        "--steps", "200000", "--checkpoint_every", "500", "--log_every", "50",
+        "--steps", "480000", "--checkpoint_every", "500", "--log_every", "50",
         "--restart_limit", "120"]))
     _check(result)
     assert len(result["faults"]) >= 8

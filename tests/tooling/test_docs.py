@@ -1,7 +1,8 @@
 """Every command of docs/ a user can copy, checked as written. The multi-node launches of
 docs/design.md run on two network-namespace hosts at their own addresses. The benchmark
 commands, the ones that made docs/' measured tables, take minutes to an hour each with the
-peers, loaded cores and shaped links, so they are not run here: the tool's own parser, with
+peers, loaded cores and shaped links (and the fault harness's, docs/recovery.md's, minutes of
+restarts), so they are not run here: the tool's own parser, with
 every check it makes before it starts, accepts each (a renamed flag, a value out of range or a
 refused combination fails). The torch suite's commands are -m slow's (tests/test_torch_suite.py
 runs the suite the same way), and tools/gpu_check.sh needs a GPU."""
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpx_bench import cli, testbed
+from ddpx_bench import cli, faults, testbed
 
 from distributed import run_on_two_hosts
 from documents import code_block_commands
@@ -20,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMMANDS = sorted({command for page in (REPO / "docs").glob("*.md")
                    for command in code_block_commands(page.read_text())})
 BENCH = sorted(command for command in COMMANDS if command.startswith("ddpx-bench "))
+FAULTS = sorted(command for command in COMMANDS
+                if command.startswith("python -m ddpx_bench.faults "))
 # Run on two hosts made with the addresses they name (the other node with its own rank).
 MULTINODE = {
     "accelerate launch --config_file scripts/configs/multinode.yaml --machine_rank 0 "
@@ -49,7 +52,7 @@ ELSEWHERE = {
 
 
 def test_every_command_of_the_docs_is_checked():
-    assert sorted(COMMANDS) == sorted([*BENCH, *MULTINODE, *ELSEWHERE])
+    assert sorted(COMMANDS) == sorted([*BENCH, *FAULTS, *MULTINODE, *ELSEWHERE])
     assert len(BENCH) >= 20  # the measured tables' commands
 
 
@@ -60,6 +63,14 @@ def test_a_benchmark_command_of_the_docs_is_accepted(command):
     argv = shlex.split(command)[1:]
     args = cli.parse_args(argv)
     assert args.mode == argv[0]
+
+
+@pytest.mark.parametrize("command", FAULTS)
+def test_a_faults_command_of_the_docs_is_accepted(command):
+    """`python -m ddpx_bench.faults ...` (docs/recovery.md's measurements, minutes each) through
+    its parser."""
+    args = faults.parse_args(shlex.split(command)[3:])
+    assert args.faults > 0 or args.soak_s > 0
 
 
 @pytest.mark.skipif(testbed.unavailable() is not None, reason=str(testbed.unavailable()))
