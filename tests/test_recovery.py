@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 from datetime import timedelta
 
@@ -121,3 +122,42 @@ def test_abort_makes_a_blocked_call_raise_and_a_fresh_group_works():
     assert "aborted" in first["error"], first
     assert "aborted" in first["after"], first
     assert [r["fresh"] for r in results] == [2.0, 2.0]
+
+
+def survivors_re_form(rank: int, world: int) -> dict:
+    """The last rank leaves mid-training and is SIGKILLed; the others, blocked on it, raise,
+    destroy the group and go on in a new group of themselves, in the same processes."""
+    import time
+
+    group = dist.new_group(backend="ddpx", timeout=timedelta(seconds=60))
+    dist.all_reduce(torch.ones(1 << 16), group=group)
+    if rank == world - 1:
+        # Reports, then dies while the others wait for it in their next all-reduce.
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return {"killed_at": time.time() + 0.3}
+    try:
+        while True:
+            dist.all_reduce(torch.ones(1 << 16), group=group)
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        failed_at, error = time.time(), str(e)
+    dist.destroy_process_group(group)
+    survivors = dist.new_group(list(range(world - 1)), backend="ddpx",
+                               use_local_synchronization=True)
+    value = torch.full((1 << 16,), float(rank + 1))
+    dist.all_reduce(value, group=survivors)
+    resumed_at = time.time()
+    dist.destroy_process_group(survivors)
+    return {"error": error, "failed_at": failed_at, "resumed_at": resumed_at,
+            "sum": value[0].item(),
+            "equal": bool((value == value[0]).all())}
+
+
+def test_survivors_of_a_killed_rank_go_on_in_a_smaller_group_at_once():
+    results = run_ranks(survivors_re_form, 3, timeout=90)
+    for rank, result in enumerate(results[:2]):
+        assert "rank 2" in result["error"] and "exited" in result["error"], (rank, result)
+        assert result["sum"] == 3.0 and result["equal"], (rank, result)
+    killed_at = results[2]["killed_at"]
+    print("seconds from the SIGKILL to each survivor's error, and to its first sum in the new "
+          "group:", [(round(r["failed_at"] - killed_at, 3), round(r["resumed_at"] - killed_at, 3))
+                     for r in results[:2]])
