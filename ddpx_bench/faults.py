@@ -211,10 +211,10 @@ def _fault(job: Job, args, rng: random.Random, index: int, at_step: int | None,
     restarts_before = _restart_count(ranks)
     victim = rng.choice(ranks)
     how = rng.choice(args.signals)
+    rank = _environ(victim, "RANK")
     killed_at, killed_line = time.monotonic(), len(job.lines)
     os.kill(victim, _SIGNALS[how])
     until = killed_at + args.restart_limit
-    rank = _environ(victim, "RANK")
     record = {"fault": index, "signal": how, "rank": rank, "step": last_step}
     down = _until_all_exit(ranks, until)
     if how == "stop" and args.backend == "ddpx":
