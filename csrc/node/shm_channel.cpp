@@ -631,7 +631,7 @@ ShmChannel::RankRecord ShmChannel::read_record(int rank) const {
     for (int attempt = 0; attempt < 100; ++attempt) {
       RankRecord::Call copy{};
       copy.call = r.call.load(std::memory_order_acquire);
-      if (copy.call == 0) continue;
+      if (copy.call == 0) break;  // a slot no call has used yet
       copy.state = r.state.load(std::memory_order_acquire);
       copy.op = r.op.load(std::memory_order_relaxed);
       copy.dtype = r.dtype.load(std::memory_order_relaxed);
