@@ -42,27 +42,27 @@ uint64_t pid_namespace() {
   return stat("/proc/self/ns/pid", &st) == 0 ? uint64_t(st.st_ino) : 0;
 }
 
-// A process that is gone or a zombie; only meaningful inside our own pid namespace.
-bool process_exited(int pid) {
+// A process's state letter in /proc/<pid>/stat ('R', 'S', 'T', ...): 'X' once it is gone, 0 where
+// the line cannot be parsed. Only meaningful inside our own pid namespace.
+char process_state_letter(int pid) {
   std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  if (!stat_file) return true;
   std::string line;
-  std::getline(stat_file, line);
+  if (!stat_file || !std::getline(stat_file, line)) return 'X';
   const size_t paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return false;
-  const char state = line[paren + 2];
+  return paren == std::string::npos || paren + 2 >= line.size() ? 0 : line[paren + 2];
+}
+
+// A process that is gone or a zombie.
+bool process_exited(int pid) {
+  const char state = process_state_letter(pid);
   return state == 'Z' || state == 'X';
 }
 
-// A process's state as /proc says it, in words; "exited" once it is gone or a zombie. Only
-// meaningful inside our own pid namespace.
+// A process's state in words.
 std::string process_state(int pid) {
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!stat_file || !std::getline(stat_file, line)) return "exited";
-  const size_t paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return "of unknown state";
-  switch (line[paren + 2]) {
+  switch (const char state = process_state_letter(pid)) {
+    case 0:
+      return "of unknown state";
     case 'R':
       return "running";
     case 'S':
@@ -77,7 +77,7 @@ std::string process_state(int pid) {
     case 'X':
       return "exited";
     default:
-      return std::string("in state ") + line[paren + 2];
+      return std::string("in state ") + state;
   }
 }
 
