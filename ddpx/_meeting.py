@@ -15,9 +15,6 @@ import torch.distributed as dist
 
 __all__ = ["Meeting", "failed", "node_identity", "raise_if_failed"]
 
-_generation: dict[str, int] = {}
-
-
 # How often a rank that read a stale token looks for the one its rank 0 draws (seconds).
 _TOKEN_POLL_S = 0.005
 
@@ -72,11 +69,9 @@ class Meeting:
 
     @classmethod
     def of_group(cls, group, timeout: timedelta) -> Meeting:
-        generation = _generation.get(group.group_name, 0)
-        _generation[group.group_name] = generation + 1
-        return cls.open(dist.distributed_c10d._get_default_store(),
-                        f"ddpx/{group.group_name}/{generation}", dist.get_rank(group),
-                        dist.get_process_group_ranks(group), timeout)
+        # Each meeting's token keeps it apart from the group's earlier ones at the same place.
+        return cls.open(dist.distributed_c10d._get_default_store(), f"ddpx/{group.group_name}",
+                        dist.get_rank(group), dist.get_process_group_ranks(group), timeout)
 
     def _wait(self, key: str, rank: int) -> bytes:
         """The value at ``key`` (the whole key), which global rank ``rank`` puts, waiting for it
