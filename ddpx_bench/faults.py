@@ -29,7 +29,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from ddpx_bench.processes import alive, free_port, job_processes, kill_job, shm_segments
 
 __all__ = ["Job", "main", "run_faults"]
 
@@ -48,25 +49,11 @@ _WORLD = re.compile(r"^world size ")
 _SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
 
 
 def _environ(pid: int, name: str) -> int | None:
@@ -87,10 +74,6 @@ def _restart_count(pids: list[int]) -> int | None:
                  if n is not None), None)
 
 
-def ddpx_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
-
-
 class Job:
     """One launch of scripts/checkpoint.py: its output, line by line with the time each came,
     and its ranks (torchrun's children)."""
@@ -99,7 +82,7 @@ class Job:
         if args.launcher == "torchrun":
             launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                         str(args.nproc), "--max-restarts", str(max_restarts), "--rdzv-backend",
-                        "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+                        "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                         "--monitor-interval", "0.1"]
         else:
             launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -119,7 +102,7 @@ class Job:
             command += ["--timeout", str(args.timeout)]
         env = dict(os.environ, PYTHONUNBUFFERED="1", LOGLEVEL="ERROR")
         self.lines: list[tuple[float, str]] = []
-        self.seen: set[int] = set()  # every rank's pid
+        self.marker = output_dir  # in every rank's command line
         self._new_line = threading.Condition()
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=env, start_new_session=True)
@@ -135,13 +118,11 @@ class Job:
             self._new_line.notify_all()
 
     def ranks(self) -> list[int]:
-        ranks = [pid for pid in _children(self.process.pid) if _alive(pid)]
-        self.seen.update(ranks)
-        return ranks
+        return [pid for pid in _children(self.process.pid) if alive(pid)]
 
     def left(self) -> list[int]:
-        """The job's ranks still alive: each is a session of its own, which torchrun starts."""
-        return [pid for pid in sorted(self.seen) if _alive(pid)]
+        """The job's ranks still alive."""
+        return job_processes(self.marker)
 
     def wait_line(self, pattern: re.Pattern, start: int, until: float):
         """The first line from index ``start`` on that matches: (index, time, match); None if
@@ -158,16 +139,9 @@ class Job:
                 self._new_line.wait(min(0.05, max(0.0, until - time.monotonic())))
 
     def stop(self) -> None:
-        """Ends the job: the launcher's session, and every rank it started, stopped ones too;
-        what is still alive after is in left()."""
-        self.ranks()
-        for pid, kill in [(self.process.pid, os.killpg), *((p, os.kill) for p in self.seen)]:
-            try:
-                kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
-        _until_all_exit(sorted(self.seen), time.monotonic() + 10)
+        """Ends the job: the launcher's session and every rank it started (each a session of its
+        own), stopped ones too."""
+        kill_job(self.process, self.marker)
         self._reader.join(timeout=10)
 
     def tail(self, n: int = 15) -> str:
@@ -176,7 +150,7 @@ class Job:
 
 def _until_all_exit(pids: list[int], until: float) -> float | None:
     while time.monotonic() < until:
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return time.monotonic()
         time.sleep(0.005)
     return None
@@ -291,7 +265,7 @@ def run_faults(args: argparse.Namespace) -> dict:
     """The uninterrupted run, then the faulted one: each fault's record, what was left, and
     whether the final parameters are equal."""
     rng = random.Random(args.seed)
-    before = ddpx_segments()
+    before = shm_segments()
     _, reference, reference_digest = _job(args, 0, lambda job: [])
 
     def plan(job: Job) -> list[dict]:
@@ -327,7 +301,7 @@ def run_faults(args: argparse.Namespace) -> dict:
         "digest": digest,
         "reference_digest": reference_digest,
         "equal": digest is not None and digest == reference_digest,
-        "left_in_dev_shm": sorted(ddpx_segments() - before),
+        "left_in_dev_shm": sorted(shm_segments() - before),
         "left_processes": job.left() + reference.left(),
     }
 

@@ -13,8 +13,6 @@ import multiprocessing
 import os
 import pickle
 import queue
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +23,16 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+# What the test modules import from here too.
+from ddpx_bench.processes import (  # noqa: F401
+    JOB_MARK,
+    alive,
+    free_port,
+    job_processes,
+    kill_job,
+    shm_segments,
+)
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 # How many times longer than here the harness waits for ranks and jobs to start and finish:
@@ -99,76 +107,6 @@ def train_small_ddp(rank: int, register=None, group=None) -> tuple[list, object]
         optimizer.step()
         optimizer.zero_grad()
     return [p.detach().flatten().tolist() for p in net.parameters()], registered
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs. A zombie does not, nor does a process whose main thread is
-    one while its other threads still exit (waitpid cannot reap it yet, so is_alive() says yes)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-# Set to a job's marker in the environment of a command run as written (its ranks' command lines
-# need not name the marker): how job_processes finds its processes.
-JOB_MARK = "DDPX_TEST_JOB"
-
-
-def job_processes(marker: str) -> list[int]:
-    """Pids of live processes (zombies excluded) whose command line contains ``marker``, or
-    whose environment sets JOB_MARK to it."""
-    mark = f"{JOB_MARK}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().decode(errors="replace")
-            if marker not in cmdline:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if mark not in f.read().split(b"\0"):
-                        continue
-        except OSError:
-            continue
-        if alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def kill_job(launcher: subprocess.Popen, marker: str) -> None:
-    """SIGKILLs a launched job: the launcher's session (started with start_new_session), and the
-    workers, which torch's launcher starts in sessions of their own and leaves running when it
-    is killed; they are found by ``marker``, a string in their command lines. Returns once they
-    are gone (or after 10 s)."""
-    try:
-        os.killpg(launcher.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        launcher.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-    for pid in job_processes(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while job_processes(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
-def shm_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:

@@ -1,0 +1,82 @@
+"""The processes of a launched job, for the fault harness (faults.py) and the tests: a free port,
+whether a process runs, a job's ranks found by a marker and killed, ddpx's segments in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+__all__ = ["JOB_MARK", "alive", "free_port", "job_processes", "kill_job", "shm_segments"]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie does not, nor does a process whose main thread is
+    one while its other threads still exit (waitpid cannot reap it yet, so is_alive() says yes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# Set to a job's marker in the environment of a command run as written (its ranks' command lines
+# need not name the marker): how job_processes finds its processes.
+JOB_MARK = "DDPX_TEST_JOB"
+
+
+def job_processes(marker: str) -> list[int]:
+    """Pids of live processes (zombies excluded) whose command line contains ``marker``, or
+    whose environment sets JOB_MARK to it."""
+    mark = f"{JOB_MARK}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            if marker not in cmdline:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+        except OSError:
+            continue
+        if alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def kill_job(launcher: subprocess.Popen, marker: str) -> None:
+    """SIGKILLs a launched job: the launcher's session (started with start_new_session), and the
+    workers, which torch's launcher starts in sessions of their own and leaves running when it
+    is killed; they are found by ``marker``, a string in their command lines. Returns once they
+    are gone (or after 10 s)."""
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        launcher.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in job_processes(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while job_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def shm_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
