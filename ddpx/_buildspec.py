@@ -15,6 +15,7 @@ import subprocess
 CPP_SOURCES = (
     "kernels/kernels.cpp",
     "kernels/kernels_avx2.cpp",
+    "kernels/quantize.cpp",
     "node/shm_segment.cpp",
     "node/numa.cpp",
     "node/arena.cpp",
@@ -84,8 +85,10 @@ def cxx_flags(torch_version: str) -> list[str]:
     # the standard its headers need (C++20 from torch 2.14 on, whose headers reject C++17).
     # -g0: setuptools passes on Python's own CFLAGS, which hold -g, and the debug information
     # for torch's headers is much of the time each source takes; the code is the same either
-    # way. DEBUG=1 builds with -g.
-    return ["-O3", "-Wall", "-g0", f"-DDDPX_TORCH_VERSION={torch_version}"]
+    # way. DEBUG=1 builds with -g. -ffp-contract=off: a multiply and an add are never fused into
+    # one rounding, which GCC does by default where the CPU has FMA (Arm), so every instruction
+    # set sums to the same bits.
+    return ["-O3", "-Wall", "-g0", "-ffp-contract=off", f"-DDDPX_TORCH_VERSION={torch_version}"]
 
 
 def cuda_toolkit(torch_cuda: str | None, guess: str | None) -> str | None:

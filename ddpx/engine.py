@@ -28,7 +28,8 @@ __all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "fli
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
-                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
+                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
+                "int8": torch.int8, torch.int8: torch.int8}
 
 # group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
 # alive (with its threads) by ddpx until interpreter exit.
@@ -36,13 +37,25 @@ _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def wire_dtype(compression: str | torch.dtype | None) -> torch.dtype | None:
-    """The dtype gradients travel in for a ``compression`` setting (None: their own)."""
+    """The dtype gradients travel in for a ``compression`` setting (None: their own; int8:
+    block-scaled between nodes, the data's own within a node)."""
     if compression not in _COMPRESSION:
         raise ValueError(
             f"ddpx: compression={compression!r} is not one of None, 'bf16' ('bfloat16', "
-            "torch.bfloat16), 'fp16' ('float16', torch.float16)"
+            "torch.bfloat16), 'fp16' ('float16', torch.float16), 'int8' (torch.int8)"
         )
     return _COMPRESSION[compression]
+
+
+def _all_reduce_wire(compression) -> torch.dtype | None:
+    """``wire_dtype`` for ddpx.all_reduce, which has no int8: only the hook keeps the error
+    feedback that int8 needs."""
+    wire = None if compression is None else wire_dtype(compression)
+    if wire is torch.int8:
+        raise ValueError("ddpx.all_reduce: compression='int8' needs error feedback, which "
+                         "ddpx.register_fused_hook keeps per gradient bucket; all-reduce with "
+                         "compression='bf16' here, or none")
+    return wire
 
 
 def checked_timeout(timeout, name: str = "timeout") -> timedelta | None:
@@ -137,10 +150,11 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     Blocking, and collective: every rank of the group calls it with the same size and dtype.
     float32, float64, bfloat16 and float16 are summed in float32 (float64 in float64), in rank
     order, so every rank gets the same bits; complex64 and complex128 as their real and imaginary
-    parts. ``compression="bf16"`` or ``"fp16"`` sends float32
-    data in that dtype and still sums in float32. A sparse COO tensor is summed by the process
-    group (uncompressed), as torch.distributed.all_reduce would. Traced by torch.compile, the call
-    is the operator torch.ops.ddpx.all_reduce_, in the graph, with the same bits.
+    parts. ``compression="bf16"`` or ``"fp16"`` sends float32 data in that dtype and still sums
+    in float32 ("int8" is the hook's alone: it keeps error feedback). A sparse COO tensor is
+    summed by the process group (uncompressed), as torch.distributed.all_reduce would. Traced by
+    torch.compile, the call is the operator torch.ops.ddpx.all_reduce_, in the graph, with the
+    same bits.
 
     Example::
         >>> t = torch.full((4,), float(dist.get_rank()))
@@ -152,7 +166,7 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
         raise TypeError(f"ddpx.all_reduce: average={average!r} is not True or False")
     if torch.compiler.is_compiling():
         name, scale = _operator_group(group, tensor.device.type, average)
-        torch.ops.ddpx.all_reduce_(tensor, name, scale, wire_dtype(compression))
+        torch.ops.ddpx.all_reduce_(tensor, name, scale, _all_reduce_wire(compression))
         return tensor
     # The per-call path is two dictionary lookups: this is benchmarked at microsecond sizes.
     pg = group if group is not None else _world.default_pg
@@ -163,7 +177,7 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     except (KeyError, TypeError):  # first use, or no group (None / a non-member's placeholder)
         engine = engine_for(group, device)
     scale = 1.0 / pg.size() if average else 1.0
-    wire = None if compression is None else wire_dtype(compression)
+    wire = None if compression is None else _all_reduce_wire(compression)
     engine.run(tensor, scale, wire, "ddpx.all_reduce")
     return tensor
 

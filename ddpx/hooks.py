@@ -19,12 +19,16 @@ __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 class FusedHookState:
     """What the fused hook needs: the engine of ``process_group`` (default: the world) for
     ``device`` buckets, the 1/world_size scale that makes DDP's sum an average, and the wire dtype
-    of ``compression`` (None, "bf16" or "fp16"). Made where torch.distributed is initialized, it
-    binds to the group at once, collectively; made before (as PyTorch Lightning's
-    ``DDPStrategy(ddp_comm_state=...)`` does), it binds at the first bucket, which every rank
-    reduces in the same order."""
+    of ``compression`` (None, "bf16" or "fp16"; "int8" with register_fused_hook, which keeps its
+    error feedback here). Made where torch.distributed is initialized, it binds to the group at
+    once, collectively; made before (as PyTorch Lightning's ``DDPStrategy(ddp_comm_state=...)``
+    does), it binds at the first bucket, which every rank reduces in the same order.
 
-    __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine", "_moves_buckets")
+    ``state_dict()`` and ``load_state_dict()`` carry int8's error feedback through a checkpoint:
+    each rank saves and loads its own."""
+
+    __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine", "_moves_buckets",
+                 "_feedback")
 
     def __init__(self, process_group=None, compression: str | torch.dtype | None = None, *,
                  device: str = "cpu", timeout: timedelta | None = None):
@@ -33,6 +37,7 @@ class FusedHookState:
         self.device, self.timeout = checked_device(device), checked_timeout(timeout)
         self._group, self._engine = process_group, None
         self._moves_buckets = False  # register_fused_hook's hook moves buckets into the arena
+        self._feedback = None  # int8's residuals, per bucket (register_fused_hook)
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             resolve_group(process_group, "process_group")
             self._engine = engine_for(process_group, self.device, self.timeout)
@@ -51,11 +56,40 @@ class FusedHookState:
     def scale(self) -> float:
         return 1.0 / self.process_group.size()
 
+    def state_dict(self) -> dict:
+        """This rank's hook state: int8's residual of every bucket (what its roundings lost and
+        the next step sends), with the bucket's layout. Call it between steps."""
+        buckets = [] if self._feedback is None else [
+            {"index": index, "parameters": layout, "residual": residual}
+            for index, layout, residual in self._feedback.state()]
+        return {"compression": self.wire, "rank": self.process_group.rank(),
+                "world_size": self.process_group.size(), "buckets": buckets}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Loads what ``state_dict()`` saved on this rank, before the next step."""
+        group = self.process_group
+        theirs = (state.get("rank"), state.get("world_size"))
+        if theirs != (group.rank(), group.size()):
+            raise ValueError(
+                f"ddpx: this hook state is rank {theirs[0]}'s of {theirs[1]} ranks, and this is "
+                f"rank {group.rank()} of {group.size()}: load the file this rank saved (each rank "
+                "keeps its own residuals); on another world size, start without it")
+        if state.get("compression") != self.wire:
+            raise ValueError(
+                f"ddpx: this hook state was saved with compression {state.get('compression')}, "
+                f"the hook has {self.wire}: register the hook with the compression it was saved "
+                "with, or start without the state")
+        if self._feedback is not None:
+            self._feedback.load([(b["index"], b["parameters"], b["residual"])
+                                 for b in state["buckets"]])
+
     def describe(self, details: bool = False) -> str:
         """One line: which path reduces the buckets, their wire dtype, and whether they are
         zero-copy (and if not, why); ``details=True`` adds the engine's settings."""
         engine = self.engine
         wire = str(self.wire).removeprefix("torch.") if self.wire is not None else "no compression"
+        if self.wire is torch.int8:
+            wire = "int8 between nodes with error feedback, uncompressed within a node"
         if isinstance(engine, extension().ShmEngine):
             nodes = f" and {engine.nodes} nodes" if engine.nodes > 1 else ""
             path = f"ddpx shared memory, {engine.local_ranks} ranks a node{nodes}"
@@ -102,6 +136,10 @@ def fused_allreduce_hook(
         >>> state = ddpx.FusedHookState(process_group=None)
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
+    if state.wire is torch.int8:
+        raise ValueError("ddpx: compression='int8' keeps error feedback per gradient bucket, which "
+                         "ddpx.register_fused_hook(model, compression='int8') registers; this "
+                         "Python hook takes compression None, 'bf16' or 'fp16'")
     future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
                                     f"gradient bucket {bucket.index()}", dense_wire_only=True)
     # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
@@ -114,7 +152,10 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     """Registers ddpx's C++ communication hook on ``ddp_model``: DDP passes each gradient bucket
     to it on the autograd thread, with no Python on that path. ``process_group`` defaults to the
     model's own; ``timeout`` (default: the group's) bounds every wait for a peer. A model takes
-    one hook, once, before its first backward.
+    one hook, once, before its first backward. ``compression``: None, "bf16" or "fp16" (the
+    dtype every bucket travels in), or "int8": block-scaled int8 between nodes, each rank keeping
+    what the rounding lost and sending it with the next step (error feedback), the buckets summed
+    uncompressed within a node.
 
     Example::
         >>> model = DistributedDataParallel(net)
@@ -140,8 +181,11 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
         if why:
             raise ValueError(why)
     state = FusedHookState(group, compression, device=device, timeout=timeout)
+    if wire is torch.int8:
+        state._feedback = extension().ErrorFeedback(list(ddp_model.parameters()))
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,
-                                    into_arena=settings.flag("DDPX_COMM_MEMORY"))
+                                    into_arena=settings.flag("DDPX_COMM_MEMORY"),
+                                    feedback=state._feedback)
     state._moves_buckets = settings.flag("DDPX_COMM_MEMORY")
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
     return state

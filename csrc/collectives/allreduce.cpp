@@ -57,6 +57,7 @@ struct AllreduceCall {
   bool own_slice_direct;  // see allreduce
   Write out_write;
   const std::string& what;
+  const Int8Across* int8;  // compression="int8", or null
 };
 
 // Puts block b into slot, in the wire dtype (less this rank's own slice, where read in place).
@@ -225,6 +226,13 @@ void allreduce_across_nodes(AllreduceCall& call) {
   }
   char* sums = node_sums->data();
   auto sums_at = [&](int64_t b) { return sums + size_t(slice_offset(b)) * x.acc_size; };
+  // int8: the residual of the node sums' rounding, then (more than two nodes) of the pieces'.
+  const std::shared_ptr<Residual> residual = call.int8 ? call.int8->residual : nullptr;
+  float* residuals = residual ? residual->sized(link.nodes() > 2 ? 2 * total : total) : nullptr;
+  auto residual_at = [&](int64_t b, int64_t part) -> std::shared_ptr<float> {
+    if (!residuals) return nullptr;
+    return std::shared_ptr<float>(residual, residuals + part * total + slice_offset(b));
+  };
   // Chunk c is blocks [chunk_start(c), chunk_start(c + 1)).
   const int64_t chunk_blocks =
       std::max<int64_t>(1, int64_t(comm.chunk_bytes() / (size_t(x.per_block) * x.data_size)));
@@ -256,7 +264,13 @@ void allreduce_across_nodes(AllreduceCall& call) {
     }
     // The check across nodes started with the first block and ran while the node summed it.
     if (c == 0) comm.finish_node_check(call.meta, "", call.what);
-    if (chunk_elements(c) > 0) {
+    if (chunk_elements(c) > 0 && call.int8) {
+      const std::shared_ptr<float> chunk(node_sums, reinterpret_cast<float*>(sums_at(first)));
+      comm.across("all-reduce", call.what, [&] {
+        link.start_reduce_int8(chunk, chunk_elements(c), residual_at(first, 0),
+                               link.nodes() > 2 ? residual_at(first, 1) : nullptr);
+      });
+    } else if (chunk_elements(c) > 0) {
       const std::shared_ptr<void> chunk(node_sums, sums_at(first));
       comm.across("all-reduce", call.what,
                   [&] { link.start_reduce(chunk, x.acc, call.rule.across, chunk_elements(c)); });
@@ -268,12 +282,20 @@ void allreduce_across_nodes(AllreduceCall& call) {
 
 }  // namespace
 
+float* Residual::sized(int64_t n) {
+  if (!values.defined() || values.numel() != n) values = at::zeros({n}, at::kFloat);
+  return values.data_ptr<float>();
+}
+
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what) {
+               const std::string& what, const Int8Across* int8) {
   TORCH_CHECK_VALUE(numel >= 0, "ddpx: negative element count");
+  TORCH_INTERNAL_ASSERT(!int8 || (wire == dtype && dtype != DType::Float64),
+                        "ddpx: int8 sums float32, bfloat16 and float16 data, uncompressed within "
+                        "the node");
   ScheduleChoice& choice = comm.schedule();
-  const CallMeta meta =
-      comm.begin(Collective::AllReduce, numel, int32_t(dtype), int32_t(wire), scale, 0);
+  const CallMeta meta = comm.begin(Collective::AllReduce, numel, int32_t(dtype),
+                                   int32_t(int8 ? DType::Int8 : wire), scale, 0);
   const size_t wire_size = dtype_size(wire);
   const size_t bytes = size_t(numel) * wire_size;
   const Schedule schedule = choice.schedule_for(bytes);
@@ -309,8 +331,8 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   // ranks. Only for a tensor that fits in the cache: from memory, reading it in the sum is slower
   // than copying it in first.
   const bool own_slice_direct = !one_shot && wire == dtype && out_write == Write::Cached;
-  AllreduceCall call{comm, blocks,           meta,      SumRule(dtype, wire, scale),
-                     wide, own_slice_direct, out_write, what};
+  AllreduceCall call{comm,      blocks, meta, SumRule(dtype, wire, scale), wide, own_slice_direct,
+                     out_write, what,   int8};
   if (comm.spans_nodes()) {
     allreduce_across_nodes(call);
     return;

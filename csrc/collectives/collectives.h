@@ -9,8 +9,11 @@
 // the call in errors.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "../kernels/kernels.h"
@@ -37,12 +40,30 @@ struct SumRule {
   DType across;  // what a node's partial sums cross nodes in
 };
 
+// What compression="int8" lost of one gradient bucket so far, carried into the bucket's next
+// all-reduce (error feedback): float32, laid out as the cross-node sums of this rank's slices
+// (allreduce.cpp), then, among more than two nodes, as many again for the second rounding. The
+// hook keeps one per bucket (error_feedback.h); one call uses it at a time.
+struct Residual {
+  at::Tensor values;
+  // Its n values: zeros where it held another number, which a bucket whose layout changed (its
+  // own, or the engine's slices) needs.
+  float* sized(int64_t n);
+};
+
+// compression="int8" of an all-reduce (request.h): where the call spans nodes, each node's float32
+// sums cross nodes as block-scaled int8 (quantize.h), with residual's error feedback if one is
+// given; within a node nothing changes, the data is summed as it is, uncompressed.
+struct Int8Across {
+  std::shared_ptr<Residual> residual;
+};
+
 // data[i] = the sum over ranks of data_r[i], scaled and carried as SumRule says,
 // accumulated in float (double for float64) in rank order and written back in data's dtype: the
 // same bits on every rank, whichever schedule ran. Across nodes the node's two phases frame a
 // cross-node sum of each rank's slices.
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what);
+               const std::string& what, const Int8Across* int8 = nullptr);
 
 // Every rank's `bytes` bytes of in land at outs[rank] on every rank (in may be outs[me]).
 void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,

@@ -15,6 +15,7 @@
 
 #include "../common/errors.h"
 #include "../common/torch_compat.h"
+#include "../kernels/quantize.h"
 #include "abort_watch.h"
 
 namespace ddpx {
@@ -95,7 +96,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     chunk->acc = acc;
     chunk->wire = wire;
     chunk->n = n;
-    const size_t lane = 2 * (next_lane_++ % (groups_.size() / 2));
+    const size_t lane = next_lane();
     if (wire == acc) {
       const auto dtype = acc == DType::Float64 ? at::kDouble : at::kFloat;
       std::vector<at::Tensor> tensors{over(chunk->data, n, dtype)};
@@ -121,6 +122,50 @@ class ProcessGroupCrossNode final : public CrossNode {
     }
     chunk->received = at::empty({bytes}, at::kByte);
     chunk->mine = at::empty({chunk->piece * wire_size}, at::kByte);
+    chunk->gathering_group = groups_[lane + 1];
+    chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+    chunk->gathering = chunk->gathering_started.get_future();
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->dealt.push_back(chunk);
+    }
+    link_->cv.notify_all();
+    pending_.push_back(std::move(chunk));
+  }
+
+  // Between two nodes each node's chunk crosses whole and both nodes sum the two in node order;
+  // among more, each node's chunk is dealt in one piece per node, each rank sums its piece over
+  // the nodes, rounds the sum to int8 again (keeping what that lost in `pieces`) and gathers the
+  // pieces back. Every piece is quantized on its own, its blocks starting at its first element.
+  void start_reduce_int8(std::shared_ptr<float> data, int64_t n, std::shared_ptr<float> residual,
+                         std::shared_ptr<float> pieces) override {
+    auto chunk = std::make_shared<Chunk>();
+    chunk->data = data;
+    chunk->int8 = true;
+    chunk->n = n;
+    chunk->node = node();
+    chunk->pieces = std::move(pieces);
+    const size_t lane = next_lane();
+    if (nodes_ == 2) {
+      const Int8Layout layout(n);
+      chunk->dealt = bytes_like(layout.bytes());
+      quantize_int8(chunk->dealt.data_ptr(), layout, data.get(), residual.get(), n);
+      chunk->received = bytes_like(2 * layout.bytes());
+      chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+      pending_.push_back(std::move(chunk));
+      return;
+    }
+    chunk->piece = (n + nodes_ - 1) / nodes_;
+    const Int8Layout layout(chunk->piece);
+    chunk->dealt = bytes_like(size_t(nodes_) * layout.bytes());
+    for (int k = 0; k < nodes_; ++k) {
+      const int64_t lo = std::min(n, k * chunk->piece);
+      quantize_int8(static_cast<char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes(),
+                    layout, data.get() + lo, residual ? residual.get() + lo : nullptr,
+                    std::min(chunk->piece, n - lo));
+    }
+    chunk->received = bytes_like(chunk->dealt.nbytes());
+    chunk->mine = bytes_like(layout.bytes());
     chunk->gathering_group = groups_[lane + 1];
     chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
     chunk->gathering = chunk->gathering_started.get_future();
@@ -194,6 +239,10 @@ class ProcessGroupCrossNode final : public CrossNode {
   void finish_reduce() override {
     std::shared_ptr<Chunk> chunk = std::move(pending_.front());
     pending_.pop_front();
+    if (chunk->int8) {
+      finish_int8(*chunk);
+      return;
+    }
     const int64_t wire_size = int64_t(dtype_size(chunk->wire));
     if (chunk->wire == chunk->acc) {
       link_->watch->await(*chunk->work);
@@ -218,8 +267,11 @@ class ProcessGroupCrossNode final : public CrossNode {
  private:
   struct Chunk {
     std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
-    DType acc, wire;
+    DType acc = DType::Float32, wire = DType::Float32;
+    bool int8 = false;  // block-scaled int8 on the wire (start_reduce_int8)
     int64_t n = 0, piece = 0;
+    int node = 0;                   // this rank's node, whose piece the link thread sums
+    std::shared_ptr<float> pieces;  // int8: what the second rounding lost, n elements, or null
     // Compressed: the wire-dtype pieces dealt, received and summed (between two nodes, this
     // node's chunk and then the sum, and both nodes' chunks).
     at::Tensor dealt, received, mine;
@@ -261,14 +313,12 @@ class ProcessGroupCrossNode final : public CrossNode {
       try {
         if (!broken.empty()) C10_THROW_ERROR(DistBackendError, broken);
         link->watch->await(*c->work);
-        const int64_t wire_size = int64_t(dtype_size(c->wire));
         const int64_t nodes = c->gathering_group->getSize();
-        const void* pieces[kMaxSources];
-        for (int64_t i = 0; i < nodes; ++i) {
-          pieces[i] = static_cast<const char*>(c->received.data_ptr()) + i * c->piece * wire_size;
+        if (c->int8) {
+          sum_piece_int8(*c, int(nodes));
+        } else {
+          sum_piece(*c, int(nodes));
         }
-        kernels().reduce(c->mine.data_ptr(), c->wire, pieces, int(nodes), c->wire, c->piece, 1.0,
-                         Write::Cached);
         c->work = ddpx::all_gather(*c->gathering_group, c->dealt, c->mine, link->timeout);
         c->gathering_started.set_value();
       } catch (const std::exception& e) {
@@ -278,6 +328,56 @@ class ProcessGroupCrossNode final : public CrossNode {
       link->busy = false;
     }
   }
+
+  static void sum_piece(Chunk& c, int nodes) {
+    const int64_t wire_size = int64_t(dtype_size(c.wire));
+    const void* pieces[kMaxSources];
+    for (int64_t i = 0; i < nodes; ++i) {
+      pieces[i] = static_cast<const char*>(c.received.data_ptr()) + i * c.piece * wire_size;
+    }
+    kernels().reduce(c.mine.data_ptr(), c.wire, pieces, nodes, c.wire, c.piece, 1.0, Write::Cached);
+  }
+
+  // Sums this node's piece of every node's int8 chunk in float32, in node order, and rounds the
+  // sum to int8 again, the residual of that rounding kept in the chunk's pieces.
+  static void sum_piece_int8(Chunk& c, int nodes) {
+    const Int8Layout layout(c.piece);
+    const void* pieces[kMaxSources];
+    for (int i = 0; i < nodes; ++i) {
+      pieces[i] = static_cast<const char*>(c.received.data_ptr()) + size_t(i) * layout.bytes();
+    }
+    std::vector<float> sum(size_t(c.piece));
+    dequantize_sum_int8(sum.data(), pieces, nodes, layout, c.piece);
+    const int64_t lo = std::min(c.n, c.node * c.piece);
+    quantize_int8(c.mine.data_ptr(), layout, sum.data(), c.pieces ? c.pieces.get() + lo : nullptr,
+                  std::min(c.piece, c.n - lo));
+  }
+
+  // Both nodes' chunks summed in node order, or every node's gathered piece, into the chunk.
+  void finish_int8(Chunk& chunk) {
+    float* data = static_cast<float*>(chunk.data.get());
+    const char* from =
+        static_cast<const char*>(nodes_ == 2 ? chunk.received.data_ptr() : chunk.dealt.data_ptr());
+    if (nodes_ == 2) {
+      link_->watch->await(*chunk.work);
+      const Int8Layout layout(chunk.n);
+      const void* both[2] = {from, from + layout.bytes()};
+      dequantize_sum_int8(data, both, 2, layout, chunk.n);
+      count(int64_t(layout.bytes()));
+      return;
+    }
+    chunk.gathering.get();  // the link thread's failure, if it had one
+    link_->watch->await(*chunk.work);
+    const Int8Layout layout(chunk.piece);
+    for (int k = 0; k < nodes_; ++k) {
+      const int64_t lo = std::min(chunk.n, k * chunk.piece);
+      const void* piece = from + size_t(k) * layout.bytes();
+      dequantize_sum_int8(data + lo, &piece, 1, layout, std::min(chunk.piece, chunk.n - lo));
+    }
+    count(2 * (nodes_ - 1) * int64_t(layout.bytes()));
+  }
+
+  size_t next_lane() { return 2 * (next_lane_++ % (groups_.size() / 2)); }
 
   static at::Tensor bytes_like(size_t bytes) { return at::empty({int64_t(bytes)}, at::kByte); }
 

@@ -28,6 +28,13 @@ class CrossNode {
   // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
   // oldest transfer still running and throws its failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
+  // As start_reduce, for n float32 elements sent as block-scaled int8 (quantize.h). residual
+  // (n elements, or null) holds what this rank's rounding of them lost, added before rounding and
+  // updated after; among more than two nodes, pieces (n elements, or null) holds the same for the
+  // second rounding, of the piece of the sum this node owns. finish_reduce ends it too.
+  virtual void start_reduce_int8(std::shared_ptr<float> data, int64_t n,
+                                 std::shared_ptr<float> residual,
+                                 std::shared_ptr<float> pieces) = 0;
   virtual void finish_reduce() = 0;
   // Byte moves between the nodes, for the collectives other than the all-reduce; each throws on
   // failure. Trades run while the caller works: start_all_gather puts every node's `bytes` of in

@@ -117,6 +117,7 @@ cudaError_t with_type(DType type, Launch launch) {
     case DType::Float16:
       return launch(__half{});
     case DType::Float64:
+    case DType::Int8:
       break;
   }
   return cudaErrorInvalidValue;

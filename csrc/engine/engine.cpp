@@ -109,6 +109,12 @@ void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request)
   if (!why.empty()) comm.reject(why, request.what);
   const at::Tensor tensor = as_real(input);
   const DType dtype = *to_dtype(tensor.scalar_type());
+  if (request.wire == at::kChar) {
+    const Int8Across int8{request.residual};
+    allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), dtype, request.scale, request.what,
+              &int8);
+    return;
+  }
   const DType wire = *to_dtype(wire_dtype(tensor.scalar_type(), request));
   allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);
 }

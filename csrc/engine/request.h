@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -12,14 +13,19 @@
 
 namespace ddpx {
 
+struct Residual;  // collectives.h
+
 struct Request {
-  double scale = 1.0;                  // applied to every rank's input before the sum
-  std::optional<at::ScalarType> wire;  // dtype in transit; the tensor's own when empty
-  std::string what;                    // names the call in errors ("gradient bucket 3")
+  double scale = 1.0;  // applied to every rank's input before the sum
+  // dtype in transit; the tensor's own when empty. int8 (at::kChar) is compression="int8":
+  // block-scaled int8 between nodes, the data's own dtype within a node (collectives.h).
+  std::optional<at::ScalarType> wire;
+  std::string what;  // names the call in errors ("gradient bucket 3")
   // Whether wire is meant for dense tensors only: the hook's compression is of the dense buckets,
   // and a sparse gradient travels in its own dtype, as on DDP's default; ddpx.all_reduce's is of
   // the tensor it was given, and refused for a sparse one (Engine::run_async).
   bool dense_wire_only = false;
+  std::shared_ptr<Residual> residual;  // int8's error feedback for this tensor, or none
 };
 
 // The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.

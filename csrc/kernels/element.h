@@ -83,6 +83,8 @@ decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
       return fn(static_cast<BFloat16*>(nullptr));
     case DType::Float16:
       return fn(static_cast<Float16*>(nullptr));
+    case DType::Int8:
+      break;  // block-scaled: quantize.h
   }
   throw std::invalid_argument("ddpx: unknown dtype code");
 }

@@ -21,6 +21,8 @@ const char* dtype_name(DType t) {
       return "bfloat16";
     case DType::Float16:
       return "float16";
+    case DType::Int8:
+      return "int8";
   }
   return "unknown";
 }

@@ -9,7 +9,9 @@ namespace ddpx {
 
 constexpr int kMaxSources = 64;  // ranks a reduction sums at most
 
-enum class DType : int32_t { Float32 = 0, Float64 = 1, BFloat16 = 2, Float16 = 3 };
+// Int8 names compression="int8" on the wire between nodes in a call's description; it is
+// block-scaled (quantize.h), and no kernel here takes it.
+enum class DType : int32_t { Float32 = 0, Float64 = 1, BFloat16 = 2, Float16 = 3, Int8 = 4 };
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);

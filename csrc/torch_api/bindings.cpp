@@ -382,13 +382,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "register_fused_hook",
       [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine, double scale,
-         std::optional<at::ScalarType> wire, bool into_arena) {
+         std::optional<at::ScalarType> wire, bool into_arena,
+         std::shared_ptr<ErrorFeedback> feedback) {
         const bool adopt = into_arena && engine->serves_arena();
-        reducer.register_comm_hook(
-            std::make_unique<FusedHook>(FusedHookConfig{std::move(engine), scale, wire, adopt}));
+        reducer.register_comm_hook(std::make_unique<FusedHook>(
+            FusedHookConfig{std::move(engine), scale, wire, adopt, std::move(feedback)}));
       },
       py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"),
-      py::arg("into_arena"));
+      py::arg("into_arena"), py::arg("feedback") = nullptr);
+  py::class_<ErrorFeedback, std::shared_ptr<ErrorFeedback>>(m, "ErrorFeedback", py::module_local())
+      .def(py::init<const std::vector<at::Tensor>&>(), py::arg("parameters"))
+      .def("state", &ErrorFeedback::state)
+      .def("load", &ErrorFeedback::load, py::arg("state"));
   m.def(
       "invalid_input",
       [](const at::Tensor& tensor, std::optional<at::ScalarType> wire, std::string what,

@@ -13,6 +13,7 @@
 
 #include "../engine/engine.h"
 #include "../node/arena.h"
+#include "error_feedback.h"
 
 namespace ddpx {
 
@@ -22,6 +23,8 @@ struct FusedHookConfig {
   std::optional<at::ScalarType> wire;  // compression dtype of the dense buckets, or none
   // Moves each bucket's storage into the arena the first time the hook meets it (arena.h).
   bool into_arena;
+  // compression="int8": each bucket's residual, carried from step to step; else null.
+  std::shared_ptr<ErrorFeedback> feedback;
 };
 
 class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
@@ -39,7 +42,39 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
     Request request{state_.scale, state_.wire,
                     "gradient bucket " + std::to_string(bucket.getIndex()),
                     /*dense_wire_only=*/true};
-    return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
+    if (!state_.feedback)
+      return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
+    const auto parts = state_.feedback->parts(bucket);
+    const at::Tensor& buffer = bucket.getBufferRef();
+    if (parts.size() == 1 && parts[0].pieces.size() == 1) {
+      request.residual = parts[0].residual;
+      return state_.engine->run_async(buffer, std::move(request));
+    }
+    // The first step after a resume (error_feedback.h): each saved bucket's gradients gathered
+    // as that bucket held them, reduced, and put back.
+    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> reduced(
+        c10::FutureType::create(c10::TensorType::get()));
+    for (const ErrorFeedback::Part& part : parts) {
+      std::vector<at::Tensor> views;
+      for (const auto& [offset, length] : part.pieces)
+        views.push_back(buffer.narrow(0, offset, length));
+      Request piece = request;
+      piece.residual = part.residual;
+      reduced.push_back(state_.engine->run_async(at::cat(views), std::move(piece))
+                            ->then(
+                                [views](c10::ivalue::Future& done) {
+                                  const at::Tensor sum = done.value().toTensor();
+                                  int64_t at = 0;
+                                  for (const at::Tensor& view : views) {
+                                    view.copy_(sum.narrow(0, at, view.numel()));
+                                    at += view.numel();
+                                  }
+                                  return c10::IValue(sum);
+                                },
+                                c10::TensorType::get()));
+    }
+    return c10::collectAll(reduced)->then(
+        [buffer](c10::ivalue::Future&) { return c10::IValue(buffer); }, c10::TensorType::get());
   }
 };
 

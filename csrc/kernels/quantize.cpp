@@ -1,0 +1,100 @@
+// Block-scaled int8 (quantize.h). Plain loops the compiler vectorizes; the build turns off
+// floating-point contraction, so a multiply and an add are never fused and every instruction set
+// gives the same bits.
+#include "quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace ddpx {
+namespace {
+
+// Rounds to the nearest integer, ties to even, for |v| <= 2^22: adding and taking away 1.5 * 2^23
+// leaves the float32 rounding of v to an integer (in the default rounding mode, nearest even).
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.0f;
+  return (v + kMagic) - kMagic;
+}
+
+// The largest magnitude of v[0..len), and whether every value is finite. In lanes, so that the
+// compiler vectorizes it without reordering any rounding (a maximum rounds nothing).
+bool largest_magnitude(const float* v, int64_t len, float* largest) {
+  constexpr int kLanes = 8;
+  float top[kLanes] = {};
+  int finite[kLanes];
+  std::fill(finite, finite + kLanes, 1);
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float a = std::fabs(v[i + j]);
+      top[j] = a > top[j] ? a : top[j];
+      finite[j] &= int(a <= std::numeric_limits<float>::max());
+    }
+  }
+  for (; i < len; ++i) {
+    const float a = std::fabs(v[i]);
+    top[0] = a > top[0] ? a : top[0];
+    finite[0] &= int(a <= std::numeric_limits<float>::max());
+  }
+  *largest = *std::max_element(top, top + kLanes);
+  return std::all_of(finite, finite + kLanes, [](int f) { return f != 0; });
+}
+
+}  // namespace
+
+void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* residual,
+                   int64_t count) {
+  auto* scales = static_cast<float*>(out);
+  auto* values = reinterpret_cast<int8_t*>(static_cast<char*>(out) + layout.values_offset());
+  float v[kInt8Block];
+  for (int64_t b = 0; b < layout.blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
+    for (int64_t i = 0; i < len; ++i) {
+      v[i] = residual != nullptr ? x[lo + i] + residual[lo + i] : x[lo + i];
+    }
+    float largest = 0.0f;
+    const bool finite = largest_magnitude(v, len, &largest);
+    int8_t* q = values + lo;
+    if (!finite) {
+      scales[b] = std::numeric_limits<float>::quiet_NaN();
+      std::memset(q, 0, size_t(std::min<int64_t>(kInt8Block, layout.n - lo)));
+      if (residual != nullptr) std::fill(residual + lo, residual + lo + len, 0.0f);
+      continue;
+    }
+    const float scale = largest / 127.0f;
+    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    scales[b] = scale;
+    for (int64_t i = 0; i < len; ++i) {
+      const float rounded = round_even(v[i] * inverse);
+      q[i] = int8_t(rounded);
+      if (residual != nullptr) residual[lo + i] = v[i] - rounded * scale;
+    }
+    const int64_t room = std::min<int64_t>(kInt8Block, layout.n - lo);
+    if (room > len) std::memset(q + len, 0, size_t(room - len));
+  }
+}
+
+void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const Int8Layout& layout,
+                         int64_t count) {
+  for (int64_t b = 0; b < layout.blocks; ++b) {
+    const int64_t lo = b * kInt8Block;
+    const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
+    for (int k = 0; k < nsrc; ++k) {
+      const float scale = static_cast<const float*>(srcs[k])[b];
+      const auto* q = reinterpret_cast<const int8_t*>(static_cast<const char*>(srcs[k]) +
+                                                      layout.values_offset()) +
+                      lo;
+      float* d = dst + lo;
+      if (k == 0) {
+        for (int64_t i = 0; i < len; ++i) d[i] = float(q[i]) * scale;
+      } else {
+        for (int64_t i = 0; i < len; ++i) d[i] += float(q[i]) * scale;
+      }
+    }
+  }
+}
+
+}  // namespace ddpx

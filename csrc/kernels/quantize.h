@@ -1,0 +1,35 @@
+// Block-scaled int8, what compression="int8" puts on the link between nodes: each block of
+// kInt8Block values travels as one float32 scale (the block's largest magnitude / 127) and a
+// signed byte per value, about a quarter of float32's bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ddpx {
+
+constexpr int64_t kInt8Block = 256;
+
+// Where n values lie in their wire bytes: the blocks' scales first, then the bytes.
+struct Int8Layout {
+  int64_t n, blocks;
+  explicit Int8Layout(int64_t count) : n(count), blocks((count + kInt8Block - 1) / kInt8Block) {}
+  size_t bytes() const { return size_t(blocks) * sizeof(float) + size_t(n); }
+  size_t values_offset() const { return size_t(blocks) * sizeof(float); }
+};
+
+// Puts the first `count` (<= layout.n) of x + residual into out (layout's bytes; the rest of it
+// zeroed), rounding to nearest even, and leaves in residual what the rounding lost: residual =
+// (x + residual) - its dequantized value. A block whose largest magnitude is not finite travels
+// as such (its values dequantize to NaN) and its residual is reset to zero, so one overflowing
+// step does not poison the next. residual may be null (no error feedback).
+void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* residual,
+                   int64_t count);
+
+// dst[i] = dequantized srcs[0][i] + srcs[1][i] + ... for the first `count` values of nsrc
+// buffers of `layout`, summed left to right in float32 and rounded once per addition, so every
+// caller that passes the same buffers in the same order gets the same bits.
+void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const Int8Layout& layout,
+                         int64_t count);
+
+}  // namespace ddpx

@@ -1,0 +1,269 @@
+"""compression="int8": block-scaled int8 between nodes, uncompressed within one, with error
+feedback. Two nodes of two ranks on this machine (run_nodes) hold the sums to a float32
+reference of the same rounding, bit for bit; the error feedback to its promise (what the
+roundings lose is sent later, so the sum over many steps stays one rounding from the exact sum);
+a resumed run to an uninterrupted one's bits; and the bytes across to a quarter of float32's.
+Three nodes (the second rounding, kept by the piece's owner) run under -m slow."""
+
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpx
+
+from distributed import run_nodes, run_ranks, shm_segments
+
+BLOCK = 256  # kInt8Block, csrc/kernels/quantize.h
+
+
+def dequantized(v: torch.Tensor) -> torch.Tensor:
+    """The engine's rounding of float32 v to block-scaled int8, dequantized, in plain torch: the
+    same float32 operations (a division, a multiply, a round to nearest even, a multiply), so
+    the same bits."""
+    out = torch.empty_like(v)
+    for lo in range(0, v.numel(), BLOCK):
+        block = v[lo:lo + BLOCK]
+        largest = block.abs().max()
+        inverse = 127 / largest if largest > 0 else torch.zeros((), dtype=torch.float32)
+        out[lo:lo + BLOCK] = torch.round(block * inverse) * (largest / 127)
+    return out
+
+
+def rank_data(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(1000 + rank)) * (rank + 1)
+
+
+def reference_sum(n: int, world: int = 4, local: int = 2) -> torch.Tensor:
+    """Two nodes of `local` ranks, a tensor of one block of the node (n <= the block): each local
+    rank's slice of its node's float32 sum (whole 64-byte lines) rounds on its own, and the two
+    nodes' dequantized slices add in node order."""
+    size = -(-n // (local * 16)) * 16
+    node_sums = [sum(rank_data(r, n) for r in range(node * local, (node + 1) * local))
+                 for node in range(world // local)]
+    total = torch.empty(n)
+    for me in range(local):
+        lo, hi = min(n, me * size), min(n, (me + 1) * size)
+        total[lo:hi] = dequantized(node_sums[0][lo:hi]) + dequantized(node_sums[1][lo:hi])
+    return total
+
+
+def int8_job(tmp):
+    """Each rank's results: int8 sums (through the engine, no feedback), the bytes they put
+    across, and a DDP run whose gradients are the same every step."""
+    import ddpx
+    from ddpx.engine import engine_for
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    engine = engine_for()
+    out = {"nodes": engine.nodes}
+    for n in (3000, 257, 1):
+        t = rank_data(rank, n)
+        engine.run(t, 1.0, torch.int8, "int8 sum")
+        out[f"sum-{n}"] = t.tolist()
+    for wire in (None, torch.int8):
+        before = engine.cross_node_bytes
+        engine.run(torch.ones(1_000_000), 1.0, wire, "bytes")
+        out[f"bytes-{wire}"] = engine.cross_node_bytes - before
+
+    def model():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                  torch.nn.Linear(256, 64))
+        return DDP(net, bucket_cap_mb=0.02)
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank))
+
+    def gradients(ddp, steps):
+        """The gradients of each step, on the same data and parameters (nothing steps)."""
+        seen = []
+        for _ in range(steps):
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+            seen.append(torch.cat([p.grad.flatten() for p in ddp.parameters()]))
+        return seen
+
+    exact = gradients(model(), 1)[0]
+    hooked = model()
+    ddpx.register_fused_hook(hooked, compression="int8")
+    steps = gradients(hooked, 40)
+    out["exact"] = exact.tolist()
+    out["first"] = steps[0].tolist()
+    out["summed"] = torch.stack(steps).sum(0).tolist()
+    out["digest"] = [float(s.double().sum()) for s in steps]
+    return out
+
+
+def resume_job(tmp):
+    """Trains 6 steps straight, and 3 + 3 with a checkpoint between (model, optimizer, the
+    hook's state, each rank its own file), the second half a new DDP model as a resumed job
+    makes one."""
+    import ddpx
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = [torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * rank + s))
+            for s in range(6)]
+
+    def start():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                                  torch.nn.Linear(128, 64))
+        ddp = DDP(net, bucket_cap_mb=0.02)
+        state = ddpx.register_fused_hook(ddp, compression="int8")
+        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+    def train(ddp, optimizer, steps):
+        for s in steps:
+            optimizer.zero_grad()
+            ddp(data[s]).square().mean().backward()
+            optimizer.step()
+
+    straight, _, optimizer = start()
+    train(straight, optimizer, range(6))
+    first, state, optimizer = start()
+    train(first, optimizer, range(3))
+    path = Path(tmp) / f"hook_rank{rank}.pt"
+    torch.save({"model": first.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "hook": state.state_dict()}, path)
+    dist.barrier()
+    resumed, state, optimizer = start()
+    saved = torch.load(path, map_location="cpu")
+    resumed.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    state.load_state_dict(saved["hook"])
+    train(resumed, optimizer, range(3, 6))
+    fresh, _, optimizer = start()  # the same resume without the hook's state
+    fresh.module.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    train(fresh, optimizer, range(3, 6))
+    flat = {name: torch.cat([p.detach().flatten() for p in m.parameters()]).tolist()
+            for name, m in (("straight", straight), ("resumed", resumed), ("fresh", fresh))}
+    try:
+        state.load_state_dict({**saved["hook"], "rank": (rank + 1) % 4})
+        flat["wrong rank"] = "no error"
+    except ValueError as error:
+        flat["wrong rank"] = str(error)
+    flat["buckets"] = len(saved["hook"]["buckets"])
+    return flat
+
+
+def job_source(fn) -> str:
+    return textwrap.dedent(f'''
+        import json, os, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from test_int8 import rank_data
+        ''') + inspect.getsource(fn) + textwrap.dedent(f'''
+        out = {fn.__name__}(sys.argv[1])
+        with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
+            json.dump(out, f)
+        dist.destroy_process_group()
+        ''')
+
+
+def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(tmp_path):
+    segments = shm_segments()
+    results = run_nodes(job_source(int8_job), tmp_path)
+    assert all(r["nodes"] == 2 for r in results)
+    for n in (3000, 257, 1):
+        expected = reference_sum(n)
+        for rank, result in enumerate(results):
+            assert torch.equal(torch.tensor(result[f"sum-{n}"]), expected), (n, rank)
+    # A quarter of float32's bytes, and a float32 scale per 256 values.
+    for node in (results[:2], results[2:]):
+        fp32 = sum(r["bytes-None"] for r in node)
+        int8 = sum(r["bytes-torch.int8"] for r in node)
+        assert fp32 == 4_000_000
+        assert 1_000_000 < int8 <= 1_000_000 * (1 + 4 / BLOCK) + 64, int8
+    for rank, result in enumerate(results):
+        assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
+    exact = torch.tensor(results[0]["exact"])
+    one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
+    assert one_step > 0  # int8 rounded something
+    # The same gradient 40 times: without feedback the roundings would repeat and add up to 40
+    # times one step's error; with it, what a step loses the next one sends, and the sum over
+    # every step stays within the last residual (one rounding per node) of 40 exact gradients.
+    drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
+    assert drift <= 2 * one_step, (drift, one_step)
+    assert shm_segments() <= segments
+
+
+def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(tmp_path):
+    results = run_nodes(job_source(resume_job), tmp_path)
+    for rank, result in enumerate(results):
+        assert result["buckets"] >= 2
+        assert result["resumed"] == result["straight"], f"rank {rank}: resumed run differs"
+        # Without the residuals the run goes on with other bits: the state is what carries them.
+        assert result["fresh"] != result["straight"]
+        assert "load the file this rank saved" in result["wrong rank"], result["wrong rank"]
+        assert result["straight"] == results[0]["straight"]
+
+
+def one_node_int8(rank, world):
+    """On one node int8 sends nothing across: the buckets sum as uncompressed float32, the same
+    bits as the hook without compression."""
+    import ddpx
+
+    from distributed import train_small_ddp
+
+    plain, _ = train_small_ddp(rank, lambda m: ddpx.register_fused_hook(m))
+    int8, state = train_small_ddp(
+        rank, lambda m: ddpx.register_fused_hook(m, compression="int8"))
+    errors = {}
+    try:
+        ddpx.all_reduce(torch.ones(4), compression="int8")
+    except ValueError as error:
+        errors["all_reduce"] = str(error)
+    hook_state = ddpx.FusedHookState(compression="int8")
+    model = DDP(torch.nn.Linear(4, 4))
+    model.register_comm_hook(hook_state, ddpx.fused_allreduce_hook)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    except Exception as error:  # DDP rethrows the hook's error as a RuntimeError
+        errors["python hook"] = str(error)
+    return plain == int8, state.describe(), errors, json.dumps(state.state_dict()["compression"],
+                                                                default=str)
+
+
+def test_int8_within_one_node_is_float32_and_refused_where_no_feedback_is_kept():
+    for same, describe, errors, compression in run_ranks(one_node_int8, 2):
+        assert same
+        assert "int8 between nodes" in describe
+        assert "register_fused_hook keeps" in errors["all_reduce"]
+        assert "compression='int8' keeps error feedback" in errors["python hook"]
+        assert compression == '"torch.int8"'
+
+
+def test_int8_is_a_known_compression_and_others_are_refused():
+    assert ddpx.engine.wire_dtype("int8") is torch.int8
+    with pytest.raises(ValueError, match="'int8'"):
+        ddpx.engine.wire_dtype("int4")
+
+
+@pytest.mark.slow
+def test_int8_across_three_nodes_keeps_every_rank_on_the_same_bits(tmp_path):
+    """Among three nodes each piece of the sum is rounded twice, the second time by its owner,
+    who keeps that residual: the same bits everywhere, a quarter of the bytes, and no drift."""
+    results = run_nodes(job_source(int8_job), tmp_path, nodes=3)
+    assert all(r["nodes"] == 3 for r in results)
+    for rank, result in enumerate(results):
+        assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
+        for n in (3000, 257, 1):
+            assert result[f"sum-{n}"] == results[0][f"sum-{n}"], (n, rank)
+    for node in range(3):
+        fp32 = sum(r["bytes-None"] for r in results[2 * node:2 * node + 2])
+        int8 = sum(r["bytes-torch.int8"] for r in results[2 * node:2 * node + 2])
+        assert int8 <= fp32 * (1 + 4 / BLOCK) / 4 + 256, (int8, fp32)
+    exact = torch.tensor(results[0]["exact"])
+    one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
+    drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
+    assert drift <= 2 * one_step, (drift, one_step)
