@@ -91,8 +91,12 @@ def int8_job(tmp):
 
     exact = gradients(model(), 1)[0]
     hooked = model()
-    ddpx.register_fused_hook(hooked, compression="int8")
+    state = ddpx.register_fused_hook(hooked, compression="int8")
+    left_before = state.engine.cross_node_times["calls_left_in_flight"]
     steps = gradients(hooked, 40)
+    out["left_in_flight"] = state.engine.cross_node_times["calls_left_in_flight"] - left_before
+    out["left_by_all_reduce"] = left_before
+    out["buckets"] = len(state.state_dict()["buckets"])
     out["exact"] = exact.tolist()
     out["first"] = steps[0].tolist()
     out["summed"] = torch.stack(steps).sum(0).tolist()
@@ -186,6 +190,11 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
         assert 1_000_000 < int8 <= 1_000_000 * (1 + 4 / BLOCK) + 64, int8
     for rank, result in enumerate(results):
         assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
+        # Every bucket but a backward's last returns with its chunks still crossing (the next
+        # one follows them onto the link); a plain all-reduce returns with its sum. DDP's first
+        # step has one bucket, of every parameter: the 39 after have the saved buckets.
+        assert result["left_by_all_reduce"] == 0
+        assert result["left_in_flight"] == 39 * (result["buckets"] - 1) > 0, result
     exact = torch.tensor(results[0]["exact"])
     one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
     assert one_step > 0  # int8 rounded something

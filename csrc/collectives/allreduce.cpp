@@ -1,8 +1,10 @@
 // The all-reduce: within the node in one of the schedules ScheduleChoice picks (schedule.h), and
 // across nodes as the node's two phases framing a cross-node sum of each rank's slices.
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -199,13 +201,56 @@ void allreduce_slots(const AllreduceCall& call, bool one_shot, uint64_t carried)
   }
 }
 
+// Where block b's slice starts in the node sums of a call, in elements: every block but the last
+// is full, its slice full_slice elements.
+int64_t slice_offset(const Blocks& x, int64_t full_slice, int64_t b) {
+  if (b < x.n) return b * full_slice;
+  const auto [lo, hi] = x.slice(x.elements(x.n - 1));
+  return (x.n - 1) * full_slice + (hi - lo);
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Handing out a chunk that crossed nodes: wait for it, then copy each block's slice into the
+// output slot and every rank's block out. Kept by value, as its call may have returned since.
+InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> sums,
+                  int64_t full_slice, int64_t first, int64_t end, int64_t elements) {
+  auto task = [&comm = call.comm, x = call.blocks, meta = call.meta, rule = call.rule,
+               wide = call.wide, out_write = call.out_write, what = call.what, sums, full_slice,
+               first, end, elements] {
+    if (elements > 0) {
+      RECORD_FUNCTION("ddpx::waits for the link", std::vector<c10::IValue>());
+      const auto waits = Clock::now();
+      comm.across("all-reduce", what, [&] { comm.cross_node().finish_reduce(); });
+      comm.add_across_times(0, seconds_since(waits));
+    }
+    const AllreduceCall done{comm, x, meta, rule, wide, false, out_write, what, nullptr};
+    for (int64_t b = first; b < end; ++b) {
+      const uint64_t step = comm.next_step();
+      const auto [lo, hi] = x.slice(x.elements(b));
+      kernels().convert(comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc,
+                        sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size, x.acc,
+                        hi - lo, 1.0, Write::Cached);
+      copy_out(done, step, b);
+    }
+  };
+  return InFlight{std::move(task), nullptr};
+}
+
 // This rank's slices of the blocks are summed within the node into the node sums, which cross
 // nodes in chunks of whole blocks: a network round trip per block would cost far more than the
 // extra pass over the slices. Chunks are started as soon as they are summed and handed out once
-// back, a few in flight, so the link carries one chunk while the node sums the next and hands out
-// the last. A block's output slot is written only after every peer published its previous step,
-// and they do that after reading the slot's last contents.
-void allreduce_across_nodes(AllreduceCall& call) {
+// back, a few in flight (NodeComm::put_in_flight), so the link carries one chunk while the node
+// sums the next and hands out the last. A call given `end` leaves its last chunks in flight and
+// returns: the next call's chunks follow them onto the link while they cross, and end runs once
+// they are handed out (the hook's gradient buckets, but for a backward's last). A block's output
+// slot is written only after every peer published its previous step, and they do that after
+// reading the slot's last contents.
+void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
+  const auto started = Clock::now();
+  const double waited_before = call.comm.across_times().link_wait_s;
   const Blocks& x = call.blocks;
   NodeComm& comm = call.comm;
   CrossNode& link = comm.cross_node();
@@ -213,25 +258,19 @@ void allreduce_across_nodes(AllreduceCall& call) {
     const auto [lo, hi] = x.slice(std::min(x.per_block, x.numel));
     return hi - lo;
   }();
-  // Where block b's slice starts in the node sums, in elements; every block but the last is full.
-  auto slice_offset = [&](int64_t b) {
-    if (b < x.n) return b * full_slice;
-    const auto [lo, hi] = x.slice(x.elements(x.n - 1));
-    return (x.n - 1) * full_slice + (hi - lo);
+  const int64_t total = slice_offset(x, full_slice, x.n);
+  const std::shared_ptr<std::vector<char>> node_sums =
+      comm.buffers().node_sums(size_t(total) * x.acc_size);
+  auto sums_at = [&](int64_t b) {
+    return node_sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
   };
-  const int64_t total = slice_offset(x.n);
-  std::shared_ptr<std::vector<char>>& node_sums = comm.buffers().node_sums;
-  if (!node_sums || node_sums->size() < size_t(total) * x.acc_size) {
-    node_sums = std::make_shared<std::vector<char>>(size_t(total) * x.acc_size);
-  }
-  char* sums = node_sums->data();
-  auto sums_at = [&](int64_t b) { return sums + size_t(slice_offset(b)) * x.acc_size; };
   // int8: the residual of the node sums' rounding, then (more than two nodes) of the pieces'.
   const std::shared_ptr<Residual> residual = call.int8 ? call.int8->residual : nullptr;
   float* residuals = residual ? residual->sized(link.nodes() > 2 ? 2 * total : total) : nullptr;
   auto residual_at = [&](int64_t b, int64_t part) -> std::shared_ptr<float> {
     if (!residuals) return nullptr;
-    return std::shared_ptr<float>(residual, residuals + part * total + slice_offset(b));
+    return std::shared_ptr<float>(residual,
+                                  residuals + part * total + slice_offset(x, full_slice, b));
   };
   // Chunk c is blocks [chunk_start(c), chunk_start(c + 1)).
   const int64_t chunk_blocks =
@@ -239,19 +278,9 @@ void allreduce_across_nodes(AllreduceCall& call) {
   const int64_t chunks = (x.n + chunk_blocks - 1) / chunk_blocks;
   auto chunk_start = [&](int64_t c) { return std::min(x.n, c * chunk_blocks); };
   auto chunk_elements = [&](int64_t c) {
-    return slice_offset(chunk_start(c + 1)) - slice_offset(chunk_start(c));
+    return slice_offset(x, full_slice, chunk_start(c + 1)) -
+           slice_offset(x, full_slice, chunk_start(c));
   };
-  auto hand_out_chunk = [&](int64_t c) {
-    if (chunk_elements(c) > 0) comm.across("all-reduce", call.what, [&] { link.finish_reduce(); });
-    for (int64_t b = chunk_start(c); b < chunk_start(c + 1); ++b) {
-      const uint64_t step = comm.next_step();
-      const auto [lo, hi] = x.slice(x.elements(b));
-      kernels().convert(call.comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sums_at(b),
-                        x.acc, hi - lo, 1.0, Write::Cached);
-      copy_out(call, step, b);
-    }
-  };
-  int64_t handed_out = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
     for (int64_t b = first; b < chunk_start(c + 1); ++b) {
@@ -275,9 +304,19 @@ void allreduce_across_nodes(AllreduceCall& call) {
       comm.across("all-reduce", call.what,
                   [&] { link.start_reduce(chunk, x.acc, call.rule.across, chunk_elements(c)); });
     }
-    if (c + 1 - handed_out >= kCrossChunksInFlight) hand_out_chunk(handed_out++);
+    comm.put_in_flight(
+        hand_out(call, node_sums, full_slice, first, chunk_start(c + 1), chunk_elements(c)));
+    comm.hand_out_in_flight(kCrossChunksInFlight - 1);
   }
-  while (handed_out < chunks) hand_out_chunk(handed_out++);
+  const bool left_in_flight = end != nullptr && comm.in_flight() > 0;
+  if (left_in_flight) {
+    comm.last_in_flight().end = std::move(*end);
+    *end = nullptr;
+  } else {
+    comm.hand_out_in_flight(0);
+  }
+  const double waited = comm.across_times().link_wait_s - waited_before;
+  comm.add_across_times(seconds_since(started) - waited, 0, left_in_flight);
 }
 
 }  // namespace
@@ -288,8 +327,9 @@ float* Residual::sized(int64_t n) {
 }
 
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what, const Int8Across* int8) {
+               const std::string& what, const Int8Across* int8, CallEnd* end) {
   TORCH_CHECK_VALUE(numel >= 0, "ddpx: negative element count");
+  if (end == nullptr) comm.hand_out_in_flight(0);
   TORCH_INTERNAL_ASSERT(!int8 || (wire == dtype && dtype != DType::Float64),
                         "ddpx: int8 sums float32, bfloat16 and float16 data, uncompressed within "
                         "the node");
@@ -334,7 +374,13 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   AllreduceCall call{comm,      blocks, meta, SumRule(dtype, wire, scale), wide, own_slice_direct,
                      out_write, what,   int8};
   if (comm.spans_nodes()) {
-    allreduce_across_nodes(call);
+    try {
+      allreduce_across_nodes(call, end);
+    } catch (...) {
+      // Every rank's call fails here, so every rank forgets the same chunks.
+      comm.fail_in_flight(std::current_exception());
+      throw;
+    }
     return;
   }
   // The shared schedule reads and writes every rank's tensor where it lies; the others go through

@@ -62,8 +62,12 @@ struct Int8Across {
 // accumulated in float (double for float64) in rank order and written back in data's dtype: the
 // same bits on every rank, whichever schedule ran. Across nodes the node's two phases frame a
 // cross-node sum of each rank's slices.
+// With `end`, a call across nodes may return with its last chunks still crossing: it then takes
+// end (leaving it empty) and runs it once they are handed out, which a later all-reduce given an
+// end, or any other call, does as it goes (NodeComm's in-flight chunks). Every rank of the group
+// must pass an end to the same calls.
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what, const Int8Across* int8 = nullptr);
+               const std::string& what, const Int8Across* int8 = nullptr, CallEnd* end = nullptr);
 
 // Every rank's `bytes` bytes of in land at outs[rank] on every rank (in may be outs[me]).
 void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <iterator>
 #include <sstream>
+#include <stdexcept>
 
 #include "../common/errors.h"
 #include "../cross_node/cross_node.h"
@@ -33,6 +34,45 @@ NodeComm::NodeComm(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int lo
   channel_.set_on_fail([this](const std::string& why) {
     if (cross_node_) cross_node_->abort(why);
   });
+}
+
+NodeComm::~NodeComm() {
+  fail_in_flight(std::make_exception_ptr(
+      std::runtime_error("ddpx: the engine was shut down while an all-reduce was crossing nodes")));
+}
+
+std::shared_ptr<std::vector<char>> CallBuffers::node_sums(size_t bytes) {
+  for (auto& buffer : node_sums_) {
+    if (buffer.use_count() == 1) {
+      if (buffer->size() < bytes) buffer->resize(bytes);
+      return buffer;
+    }
+  }
+  return node_sums_.emplace_back(std::make_shared<std::vector<char>>(bytes));
+}
+
+void NodeComm::hand_out_in_flight(size_t keep) {
+  while (in_flight_.size() > keep) {
+    InFlight chunk = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    try {
+      chunk.hand_out();
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      if (chunk.end) chunk.end(error);
+      fail_in_flight(error);
+      throw;
+    }
+    if (chunk.end) chunk.end(nullptr);
+  }
+}
+
+void NodeComm::fail_in_flight(std::exception_ptr error) noexcept {
+  std::deque<InFlight> failed;
+  failed.swap(in_flight_);
+  for (InFlight& chunk : failed) {
+    if (chunk.end) chunk.end(error);
+  }
 }
 
 void NodeComm::set_cross_node(std::shared_ptr<CrossNode> cross_node, size_t chunk_bytes,
@@ -62,6 +102,8 @@ int NodeComm::group_rank() const {
 
 CallMeta NodeComm::begin(Collective op, int64_t numel, int32_t dtype, int32_t wire, double scale,
                          int root, int32_t torch_dtype) {
+  // The all-reduce hands out the chunks in flight itself (allreduce.cpp); others before they start.
+  if (op != Collective::AllReduce) hand_out_in_flight(0);
   const auto began = channel_.begin_call();
   schedule_.begin_call();
   CallMeta mine{++calls_, numel, dtype, wire, scale, int32_t(op), root, 0, torch_dtype};
@@ -96,7 +138,18 @@ uint64_t NodeComm::exchange(const CallMeta& mine, bool first,
   return step;
 }
 
-void NodeComm::reject(const std::string& reason, const std::string& what) {
+void NodeComm::reject(const std::string& reason, const std::string& what, bool keep_in_flight) {
+  if (!keep_in_flight) hand_out_in_flight(0);
+  try {
+    reject_call(reason, what);
+  } catch (...) {
+    // The peers' calls fail at their check, and so forget the chunks in flight too.
+    if (keep_in_flight) fail_in_flight(std::current_exception());
+    throw;
+  }
+}
+
+void NodeComm::reject_call(const std::string& reason, const std::string& what) {
   const CallMeta rejected = begin(Collective::AllReduce, -1, 0, 0, 0.0, 0);
   const uint64_t step = ++step_;
   channel_.post(step, rejected);

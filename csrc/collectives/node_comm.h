@@ -10,11 +10,13 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -39,12 +41,23 @@ enum class Collective : int32_t {
 // Results at least this large go out with streaming stores: they would not stay in the cache.
 constexpr size_t kStreamBytes = size_t(8) << 20;
 
+// The end of a call whose last chunks are still crossing nodes when it returns (allreduce.cpp):
+// run once they are handed out, with their failure if they fail.
+using CallEnd = std::function<void(std::exception_ptr)>;
+
+// An all-reduce's chunk that is crossing nodes, to be handed out to the node's ranks once it is
+// back: hand_out waits for it and copies it out; end, where set, ends its call.
+struct InFlight {
+  std::function<void()> hand_out;
+  CallEnd end;
+};
+
 // What the collectives keep from one call to the next.
 struct CallBuffers {
   uint64_t shared_blocks = 0;  // the blocks of the all-reduce's shared calls so far
-  // This rank's slices of an all-reduce summed within the node, then across nodes; shared with
-  // the transfers.
-  std::shared_ptr<std::vector<char>> node_sums;
+  // Buffers for an all-reduce's slices summed within the node, then across nodes: one no
+  // transfer holds any more (whose only owner is this), at least `bytes` long.
+  std::shared_ptr<std::vector<char>> node_sums(size_t bytes);
   // What a collective other than the all-reduce trades across nodes, grown as needed.
   char* lanes(size_t bytes) {
     if (lanes_.size() < bytes) lanes_.resize(bytes);
@@ -52,6 +65,7 @@ struct CallBuffers {
   }
 
  private:
+  std::vector<std::shared_ptr<std::vector<char>>> node_sums_;
   std::vector<char> lanes_;
 };
 
@@ -62,6 +76,9 @@ class NodeComm {
   NodeComm(std::shared_ptr<ShmSegment> segment, ShmLayout layout, int local_rank,
            std::vector<int> ranks, size_t one_shot_bytes, std::chrono::milliseconds timeout,
            bool initialize);
+  ~NodeComm();
+  NodeComm(const NodeComm&) = delete;
+  NodeComm& operator=(const NodeComm&) = delete;
 
   // Makes the collectives hierarchical: each call is also checked against the other nodes' before
   // any data crosses, and the all-reduce's slices cross in chunks of about chunk_bytes of the
@@ -159,6 +176,35 @@ class NodeComm {
   // <kind> across nodes of <what> failed".
   void across(const char* kind, const std::string& what, const std::function<void()>& transfer);
 
+  // The all-reduce's chunks crossing nodes, oldest first, from any number of calls: a call may
+  // leave its last ones in flight (collectives.h, allreduce's `end`), so that the link carries
+  // one gradient bucket after the other with no gap while the node goes on to the next.
+  // Every rank of the node hands them out in the same order: at the same points of the same
+  // calls. hand_out_in_flight(keep) hands out the oldest until `keep` are left; a failure ends
+  // every call still in flight with it, and is rethrown.
+  void put_in_flight(InFlight chunk) { in_flight_.push_back(std::move(chunk)); }
+  size_t in_flight() const { return in_flight_.size(); }
+  InFlight& last_in_flight() { return in_flight_.back(); }
+  void hand_out_in_flight(size_t keep);
+  // Ends every call still in flight with `error` and forgets their chunks.
+  void fail_in_flight(std::exception_ptr error) noexcept;
+  // Where an all-reduce's time across nodes went, summed over the calls (seconds): the node's own
+  // work (its sums, the hand-outs, the checks) and the waits for a chunk to come back.
+  struct AcrossTimes {
+    double node_s = 0, link_wait_s = 0;
+    uint64_t calls_left_in_flight = 0;  // all-reduces that returned with chunks still crossing
+  };
+  AcrossTimes across_times() const {
+    const std::lock_guard<std::mutex> lock(times_mu_);
+    return across_times_;
+  }
+  void add_across_times(double node_s, double link_wait_s, bool left_in_flight = false) {
+    const std::lock_guard<std::mutex> lock(times_mu_);
+    across_times_.node_s += node_s;
+    across_times_.link_wait_s += link_wait_s;
+    across_times_.calls_left_in_flight += left_in_flight ? 1 : 0;
+  }
+
   // Local rank r's arena chunk that a call's first step says place lies in, mapped here (arena.h);
   // null where the rank posted none or the chunk cannot be mapped (then its data is reached
   // through the kernel, and unmapped_because() says why the first chunk that could not be mapped
@@ -171,9 +217,17 @@ class NodeComm {
 
   // Takes part in the next call without data: every rank's call raises, naming this rank and
   // reason, and the engine stays in step. For input one rank finds invalid before the exchange.
-  [[noreturn]] void reject(const std::string& reason, const std::string& what);
+  // keep_in_flight: the call is an all-reduce given an end (collectives.h), which hands out no
+  // chunks before its check, and whose failure forgets them.
+  [[noreturn]] void reject(const std::string& reason, const std::string& what,
+                           bool keep_in_flight = false);
+  // The end of the job the engine's thread runs now, offered to an all-reduce that may leave its
+  // chunks in flight (collectives.h): the engine ends the job itself unless the call took it.
+  void offer_call_end(CallEnd end) { offered_end_ = std::move(end); }
+  CallEnd take_call_end() { return std::exchange(offered_end_, nullptr); }
 
  private:
+  [[noreturn]] void reject_call(const std::string& reason, const std::string& what);
   static std::string describe_call(const CallMeta& m);
   void check_peers_agree(const CallMeta& mine, const std::string& what);
   // A call as the nodes trade it: the verdict (ok: the node's ranks agree), then the CallMeta.
@@ -192,6 +246,10 @@ class NodeComm {
   mutable std::mutex unmapped_mu_;  // describe() reads it from the caller's thread
   std::string unmapped_because_;
   CallBuffers buffers_;
+  std::deque<InFlight> in_flight_;
+  CallEnd offered_end_;
+  mutable std::mutex times_mu_;  // the engine's reports read them from the caller's thread
+  AcrossTimes across_times_;
   Workers workers_;
   std::atomic<uint64_t> zero_copy_calls_{0};
 };

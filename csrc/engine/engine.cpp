@@ -105,18 +105,24 @@ NodeComm& ShmEngine::comm() {
 const NodeComm& ShmEngine::comm() const { return const_cast<ShmEngine*>(this)->comm(); }
 
 void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request) {
-  const std::string why = invalid_input(input, request, c10::DeviceType::CPU);
-  if (!why.empty()) comm.reject(why, request.what);
-  const at::Tensor tensor = as_real(input);
-  const DType dtype = *to_dtype(tensor.scalar_type());
-  if (request.wire == at::kChar) {
+  // A call that may end later takes the job's end (NodeComm::offer_call_end) and gives it back
+  // if it ended after all.
+  CallEnd end = request.defer ? comm.take_call_end() : nullptr;
+  try {
+    const std::string why = invalid_input(input, request, c10::DeviceType::CPU);
+    if (!why.empty()) comm.reject(why, request.what, end != nullptr);
+    const at::Tensor tensor = as_real(input);
+    const DType dtype = *to_dtype(tensor.scalar_type());
     const Int8Across int8{request.residual};
-    allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), dtype, request.scale, request.what,
-              &int8);
-    return;
+    const bool int8_across = request.wire == at::kChar;
+    const DType wire = int8_across ? dtype : *to_dtype(wire_dtype(tensor.scalar_type(), request));
+    allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what,
+              int8_across ? &int8 : nullptr, end ? &end : nullptr);
+  } catch (...) {
+    if (end) comm.offer_call_end(std::move(end));
+    throw;
   }
-  const DType wire = *to_dtype(wire_dtype(tensor.scalar_type(), request));
-  allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what);
+  if (end) comm.offer_call_end(std::move(end));
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Engine::run_async(at::Tensor tensor, Request request) {
@@ -220,14 +226,23 @@ void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
       q.busy = true;
       q.comm->channel().record_queued(q.jobs.size());
       lock.unlock();
-      // The job's end goes in the flight record before its future completes.
+      // The job's end goes in the flight record before its future completes. A call that leaves
+      // chunks crossing nodes takes the job's end, and completes the future once they are back.
+      auto result = std::make_shared<c10::IValue>();
+      q.comm->offer_call_end([future = job.future, result](std::exception_ptr error) {
+        if (error) {
+          future->setError(error);
+        } else {
+          future->markCompleted(*result);
+        }
+      });
       try {
-        c10::IValue result = job.op(*q.comm);
+        *result = job.op(*q.comm);
         q.comm->channel().record_job_end(false);
-        job.future->markCompleted(std::move(result));
+        if (CallEnd end = q.comm->take_call_end()) end(nullptr);
       } catch (...) {
         q.comm->channel().record_job_end(true);
-        job.future->setError(std::current_exception());
+        if (CallEnd end = q.comm->take_call_end()) end(std::current_exception());
       }
       // The job (its closure's tensors) is released here, before the queue's lock is taken
       // again: a tensor's last reference can take the GIL, which a thread waiting for that

@@ -26,6 +26,9 @@ struct Request {
   // the tensor it was given, and refused for a sparse one (Engine::run_async).
   bool dense_wire_only = false;
   std::shared_ptr<Residual> residual;  // int8's error feedback for this tensor, or none
+  // The call's future may complete after later calls start (collectives.h, allreduce's end):
+  // the hook's gradient buckets but the last of a backward, whose waits DDP makes at its end.
+  bool defer = false;
 };
 
 // The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.

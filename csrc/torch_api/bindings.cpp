@@ -162,6 +162,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<ShmEngine, Engine, std::shared_ptr<ShmEngine>>(m, "ShmEngine", py::module_local())
       .def_property_readonly("cross_node_bytes", &ShmEngine::cross_node_bytes)
+      .def_property_readonly("cross_node_times",
+                             [](ShmEngine& e) {
+                               const NodeComm::AcrossTimes times = e.comm().across_times();
+                               return std::map<std::string, double>{
+                                   {"node_s", times.node_s},
+                                   {"link_wait_s", times.link_wait_s},
+                                   {"calls_left_in_flight", double(times.calls_left_in_flight)}};
+                             })
       .def_property(
           "one_shot_bytes", [](ShmEngine& e) { return e.comm().schedule().one_shot_bytes(); },
           [](ShmEngine& e, size_t bytes) { e.comm().schedule().set_one_shot_bytes(bytes); })

@@ -42,6 +42,9 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
     Request request{state_.scale, state_.wire,
                     "gradient bucket " + std::to_string(bucket.getIndex()),
                     /*dense_wire_only=*/true};
+    // DDP launches the buckets in index order and waits for all of them once the last is in:
+    // until then each may stay in flight while the next ones start (collectives.h).
+    request.defer = !bucket.isLast();
     if (!state_.feedback)
       return state_.engine->run_async(bucket.getBufferRef(), std::move(request));
     const auto parts = state_.feedback->parts(bucket);
@@ -60,6 +63,7 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
         views.push_back(buffer.narrow(0, offset, length));
       Request piece = request;
       piece.residual = part.residual;
+      piece.defer = request.defer || &part != &parts.back();
       reduced.push_back(state_.engine->run_async(at::cat(views), std::move(piece))
                             ->then(
                                 [views](c10::ivalue::Future& done) {
