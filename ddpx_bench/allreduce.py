@@ -21,7 +21,9 @@ In detail: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M,
 rank, made once per size with ddpx._ext.extension().arena_empty: the ranks read each other's
 tensors where they lie, copying nothing in or out; the check copies its random inputs in and the
 sum out, and a call that the engine does not count as zero-copy, in the check or the timing, stops
-the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), the peers
+the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), `ddpx-int8` (the
+fused hook's compression="int8" all-reduce, as on a bucket's first step, with no residual yet: int8
+between nodes, float32 within one), the peers
 `mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
 `deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
 inference_all_reduce, called directly; its first use compiles it, about a minute, into
@@ -119,8 +121,8 @@ SCHEDULES = {
 }
 # ddpx's all-reduce of a tensor that lies in ddpx's arena on every rank: the zero-copy path.
 ARENA = "ddpx-arena"
-ENGINES = ("gloo", "ddpx", ARENA, "ddpx-fp16", "ddpx-bf16", "mpi", "deepspeed", "copy",
-           *SCHEDULES)
+ENGINES = ("gloo", "ddpx", ARENA, "ddpx-fp16", "ddpx-bf16", "ddpx-int8", "mpi", "deepspeed",
+           "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 # Set by ddpx-bench for the ranks it starts, once it has built DeepSpeed's op: "" when it built,
 # else why not (so that no rank builds it again).
@@ -185,11 +187,19 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
                 setattr(engine_for(group), attribute, value)
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
+        elif WIRE[name] == "int8":
+            add_if_it_works(engines, name, _int8_all_reduce, left_out)
         else:
             add_if_it_works(
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
             )
     return engines
+
+
+def _int8_all_reduce(tensor: torch.Tensor) -> None:
+    """The hook's int8 all-reduce on the world's engine, as on a bucket's first step (no
+    residual yet): ddpx.all_reduce has no int8, which needs the hook's error feedback."""
+    engine_for().run(tensor, 1.0, torch.int8, "ddpx-bench int8 all-reduce")
 
 
 def _mpi_engine():
@@ -486,9 +496,11 @@ def add_model(rows: list[dict]) -> None:
         row["x_model"] = row["median_ms"] / row["model_ms"]
 
 
-def _wire_bytes(engine: str) -> int:
-    """Bytes per element an engine sends: 2 with compression, else float32's 4."""
-    return 2 if WIRE.get(engine) else 4
+def _wire_bytes(engine: str) -> float:
+    """Bytes per element an engine sends: int8's byte and a float32 scale per 256 values, 2 with
+    the 16-bit compressions, else float32's 4."""
+    wire = WIRE.get(engine)
+    return 1 + 4 / 256 if wire == "int8" else 2 if wire else 4
 
 
 def _megabytes(row: dict) -> str:
