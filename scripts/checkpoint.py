@@ -14,6 +14,10 @@ output_dir/checkpoint.pt: os.replace is atomic, so a crash during a save leaves 
 checkpoint whole. The other ranks wait for the write; then every rank can load it with
 map_location set to its own device ("cpu" on CPU, not "cpu:N").
 
+With --comm_hook ddpx-int8 each rank also saves its hook state (what int8's roundings have not
+sent yet) as output_dir/hook_state_rank<N>.pt and loads its own back, so a resumed run goes on
+with the same bits across machines too.
+
 --use_accelerate_state saves with Accelerate's save_state instead, in output_dir/accelerate_state:
 every rank calls it, and it writes model, optimizer, random states and the registered step counter
 in place (a crash during a save can leave that folder half written).
@@ -70,8 +74,19 @@ class Progress:
         self.step = state["step"]
 
 
-def save_checkpoint(accelerator, model, optimizer, progress, args):
-    """Save the run after `progress.step` steps; every rank returns once it is on disk."""
+def hook_state_path(args, rank):
+    return os.path.join(args.output_dir, f"hook_state_rank{rank}.pt")
+
+
+def save_checkpoint(accelerator, model, optimizer, progress, hook, args):
+    """Save the run after `progress.step` steps; every rank returns once it is on disk. ddpx's
+    int8 hook keeps each rank's residuals (what its roundings have not sent yet): every rank saves
+    its own beside the checkpoint."""
+    if hook is not None and hook.state_dict()["buckets"]:
+        path = hook_state_path(args, accelerator.process_index)
+        os.makedirs(args.output_dir, exist_ok=True)
+        torch.save(hook.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
     if args.use_accelerate_state:
         accelerator.save_state(os.path.join(args.output_dir, ACCELERATE_STATE))
     elif accelerator.is_main_process:
@@ -113,8 +128,12 @@ def checkpoint_to_resume(parser, args):
     return path
 
 
-def load_checkpoint(accelerator, model, optimizer, progress, args, path):
-    """Restore model, optimizer and progress from `path` on every rank; returns how it loaded."""
+def load_checkpoint(accelerator, model, optimizer, progress, hook, args, path):
+    """Restore model, optimizer, progress and this rank's hook state from `path` (and beside it)
+    on every rank; returns how it loaded."""
+    own = hook_state_path(args, accelerator.process_index)
+    if hook is not None and os.path.exists(own):
+        hook.load_state_dict(torch.load(own, map_location="cpu"))
     if args.use_accelerate_state:
         accelerator.load_state(path)
         return "Accelerate's load_state"
@@ -127,11 +146,12 @@ def load_checkpoint(accelerator, model, optimizer, progress, args, path):
     return f"map_location={map_location}"
 
 
-def reload_and_check(accelerator, model, optimizer, progress, args):
+def reload_and_check(accelerator, model, optimizer, progress, hook, args):
     """After a save: every rank loads the checkpoint into its model and checks that the loaded
     weights are the saved ones, which are the weights it holds (DDP keeps every rank's equal)."""
     saved, step = parameter_digest(model), progress.step
-    how = load_checkpoint(accelerator, model, optimizer, progress, args, latest_checkpoint(args))
+    how = load_checkpoint(accelerator, model, optimizer, progress, hook, args,
+                          latest_checkpoint(args))
     loaded = parameter_digest(model)
     if (loaded, progress.step) != (saved, step):
         raise RuntimeError(f"rank {accelerator.process_index}: the checkpoint loaded back holds "
@@ -153,13 +173,13 @@ def train(accelerator, args):
     model = ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)
-    attach_comm_hook(accelerator, model, args.comm_hook)
+    hook = attach_comm_hook(accelerator, model, args.comm_hook)
 
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     if args.resume_from_checkpoint:
         path = args.resume_from_checkpoint  # "latest" and "auto" became its path in main
-        load_checkpoint(accelerator, model, optimizer, progress, args, path)
+        load_checkpoint(accelerator, model, optimizer, progress, hook, args, path)
         accelerator.print(f"resumed from {path} after step {progress.step}")
     elif args.resume_from_checkpoint is not None:
         accelerator.print(f"resumed from nothing after step 0: no checkpoint in {args.output_dir}")
@@ -176,8 +196,8 @@ def train(accelerator, args):
         task.log(step, loss)
         progress.step = step + 1
         if every and progress.step % every == 0:
-            save_checkpoint(accelerator, model, optimizer, progress, args)
-            reload_and_check(accelerator, model, optimizer, progress, args)
+            save_checkpoint(accelerator, model, optimizer, progress, hook, args)
+            reload_and_check(accelerator, model, optimizer, progress, hook, args)
     accelerator.print(f"final loss {task.last_loss:.6f}")
     accelerator.print(f"parameter digest {parameter_digest(model)}")
 

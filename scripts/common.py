@@ -42,7 +42,7 @@ __all__ = [
     "whole_lines",
 ]
 
-COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "default", "fp16")
+COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "ddpx-int8", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
 # How long a rank that fails without printing waits to be stopped by its launcher (seconds).
 _SILENT_FAILURE_WAIT_S = 60
@@ -123,7 +123,8 @@ def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
     parser.add_argument(
         "--comm_hook", choices=COMM_HOOKS, default="ddpx",
         help="who all-reduces the gradients: ddpx's fused hook (-bf16, -fp16: that wire, float32 "
-             "accumulation), DDP's default all-reduce, or torch's fp16 compression hook"
+             "accumulation; -int8: int8 between nodes, with error feedback), DDP's default "
+             "all-reduce, or torch's fp16 compression hook"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=0.02)
@@ -175,9 +176,10 @@ def whole_lines(stream) -> None:
 
 
 def attach_comm_hook(accelerator: Accelerator, model: torch.nn.Module, name: str,
-                     *details: str) -> None:
+                     *details: str) -> "ddpx.FusedHookState | None":
     """Register the comm hook `name` (one of COMM_HOOKS) on a DDP model, and print the run: its
     world size, backend and device, the lines `details`, and the communication path in use.
+    Returns ddpx's hook state (whose state_dict a checkpoint keeps), or None for other hooks.
 
     A model that is not wrapped in DDP (one process: Accelerate does not wrap it) exchanges no
     gradients and gets no hook.
@@ -187,24 +189,28 @@ def attach_comm_hook(accelerator: Accelerator, model: torch.nn.Module, name: str
                       f"device {accelerator.device}")
     for line in details:
         accelerator.print(line)
-    accelerator.print(f"comm path: {_hooked(model, name)}")
+    path, state = _hooked(model, name)
+    accelerator.print(f"comm path: {path}")
+    return state
 
 
-def _hooked(model: torch.nn.Module, name: str) -> str:
-    """Registers the comm hook `name` on `model`; returns what then exchanges its gradients."""
+def _hooked(model: torch.nn.Module, name: str) -> tuple[str, "ddpx.FusedHookState | None"]:
+    """Registers the comm hook `name` on `model`; returns what then exchanges its gradients, and
+    ddpx's hook state where it is ddpx's."""
     if not isinstance(model, DistributedDataParallel):
-        return "none (1 process: no DDP wrapper, no gradients to exchange)"
+        return "none (1 process: no DDP wrapper, no gradients to exchange)", None
     if name.startswith("ddpx"):
         compression = name.partition("-")[2] or None
-        return ddpx.register_fused_hook(model, compression=compression).describe()
+        state = ddpx.register_fused_hook(model, compression=compression)
+        return state.describe(), state
     if name == "fp16":
         model.register_comm_hook(None, fp16_compress_hook)
-        return "torch fp16_compress_hook"
+        return "torch fp16_compress_hook", None
     backend = dist.get_backend()
     if "ddpx" not in backend:
-        return f"DDP default all-reduce ({backend})"
+        return f"DDP default all-reduce ({backend})", None
     path = ddpx.backend_of().describe()
-    return f"DDP default all-reduce ({backend}: {path})"
+    return f"DDP default all-reduce ({backend}: {path})", None
 
 
 def _one_process_line() -> str:

@@ -7,6 +7,7 @@ Three nodes (the second rounding, kept by the piece's owner) run under -m slow."
 
 import inspect
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -276,3 +277,36 @@ def test_int8_across_three_nodes_keeps_every_rank_on_the_same_bits(tmp_path):
     one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
     drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
     assert drift <= 2 * one_step, (drift, one_step)
+
+
+def two_host_run(tmp_path: Path, output: Path, *flags: str) -> list[str]:
+    """scripts/checkpoint.py on two hosts of a testbed, a rank each, with ddpx's int8 hook."""
+    from distributed import free_port, run_on_two_hosts
+
+    port = free_port()
+    tmp_path.mkdir()
+    command = ("torchrun --nnodes 2 --node_rank {node} --nproc_per_node 1 --master_addr 10.0.0.1 "
+               f"--master_port {port} scripts/checkpoint.py --comm_hook ddpx-int8 --steps 40 "
+               f"--output_dir {output} " + " ".join(flags))
+    return run_on_two_hosts([command.format(node=0), command.format(node=1)], tmp_path)
+
+
+@pytest.mark.slow
+def test_the_checkpoint_script_resumes_int8_on_two_hosts_with_the_same_bits(tmp_path):
+    """scripts/checkpoint.py as a user runs it across two machines: 40 steps at once, and 20, a
+    checkpoint (each rank's hook state beside the model) and a new launch for the other 20."""
+    whole = two_host_run(tmp_path / "whole", tmp_path / "whole-out", "--checkpointing_steps",
+                         "0")
+    assert "int8 between nodes" in whole[0], whole[0]
+    first = two_host_run(tmp_path / "first", tmp_path / "out", "--checkpointing_steps", "20",
+                         "--steps", "20")
+    assert {p.name for p in (tmp_path / "out").glob("hook_state_rank*.pt")} == {
+        "hook_state_rank0.pt", "hook_state_rank1.pt"}, first
+    resumed = two_host_run(tmp_path / "resumed", tmp_path / "out", "--resume_from_checkpoint",
+                           "latest", "--checkpointing_steps", "0")
+
+    def digest(output: str) -> str:
+        return re.search(r"^parameter digest (\S+)$", output, re.MULTILINE).group(1)
+
+    assert "resumed from" in resumed[0] and "after step 20" in resumed[0], resumed[0]
+    assert digest(resumed[0]) == digest(whole[0]), (resumed[0], whole[0])

@@ -49,8 +49,8 @@ class ErrorFeedback {
   };
 
   // The parts of this bucket: itself with its residual, zero where it is new or its layout
-  // changed; or, where its parameters are those of several saved buckets, each of those (its
-  // parameters gathered in its order) with its own.
+  // changed; or, where its parameters are those of saved buckets laid out otherwise, each of
+  // those (its parameters gathered in its order) with its own.
   std::vector<Part> parts(const c10d::GradBucket& bucket) {
     std::vector<int64_t> layout;
     std::map<int64_t, std::pair<int64_t, int64_t>> place;  // parameter -> offset, length
@@ -79,7 +79,7 @@ class ErrorFeedback {
       if (part.pieces.size() != other.layout.size()) break;
       saved.push_back(std::move(part));
     }
-    if (saved.size() > 1 && covered == whole && place.empty()) return saved;
+    if (!saved.empty() && covered == whole && place.empty()) return saved;
     entry = Entry{std::move(layout), std::make_shared<Residual>()};
     return {{{{0, whole}}, entry.residual}};
   }
