@@ -98,6 +98,13 @@ def int8_job(tmp):
     out["left_in_flight"] = state.engine.cross_node_times["calls_left_in_flight"] - left_before
     out["left_by_all_reduce"] = left_before
     out["buckets"] = len(state.state_dict()["buckets"])
+    # Gradient accumulation: under no_sync the hook is not called and the residuals wait.
+    before = [b["residual"].clone() for b in state.state_dict()["buckets"]]
+    with hooked.no_sync():
+        hooked(x).square().mean().backward()
+    after = [b["residual"] for b in state.state_dict()["buckets"]]
+    out["no_sync_kept"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    out["residual_nonzero"] = any(bool(b.abs().max() > 0) for b in after)
     out["exact"] = exact.tolist()
     out["first"] = steps[0].tolist()
     out["summed"] = torch.stack(steps).sum(0).tolist()
@@ -194,6 +201,7 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
         # Every bucket but a backward's last returns with its chunks still crossing (the next
         # one follows them onto the link); a plain all-reduce returns with its sum. DDP's first
         # step has one bucket, of every parameter: the 39 after have the saved buckets.
+        assert result["no_sync_kept"] and result["residual_nonzero"], result
         assert result["left_by_all_reduce"] == 0
         assert result["left_in_flight"] == 39 * (result["buckets"] - 1) > 0, result
     exact = torch.tensor(results[0]["exact"])
