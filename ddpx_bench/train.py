@@ -14,7 +14,8 @@ parameters on --batch_size rows of random data per rank (or, with --model gpt, o
 ddpx_bench.models.GPT on --batch_size sequences of random token ids, with its next-token loss), one
 model per --comm_hooks entry:
 `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
-bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`,
+bf16_compress_hook; DDP registers a hook of the latter's name only with NCCL, so it is registered
+through a wrapper, and left out where the backend does not sum bfloat16), `ddpx`, `ddpx-fp16`,
 `ddpx-bf16` (ddpx.register_fused_hook), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
 on a group of every rank made with ddpx's backend, each with its own; gradient_as_bucket_view, so
 each .grad is a view of its bucket: `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary
@@ -106,8 +107,8 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) ->
                     device_ids=[device.index] if device.type == "cuda" else None)
         try:
             models[name] = model, _register_hook(name, model)
-        # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
-        # bf16_compress_hook without NCCL 2.10+ or XCCL.
+        # NotImplementedError: a ddpx compression not built yet, or a backend that cannot
+        # all-reduce bfloat16; TypeError: DDP refuses a hook.
         except (NotImplementedError, TypeError) as exc:
             left_out[name] = str(exc)
     return models
@@ -195,9 +196,38 @@ def _register_hook(name: str, model: DDP) -> str:
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+    if name == "bf16":
+        _check_bfloat16_all_reduce(next(model.parameters()).device)
+        model.register_comm_hook(dist.group.WORLD, _bf16_compress_any_backend_hook)
+        return "torch bf16_compress_hook, through a wrapper (DDP refuses it by name off NCCL)"
     hook = getattr(default_hooks, f"{name}_compress_hook")
     model.register_comm_hook(dist.group.WORLD, hook)
     return f"torch {hook.__name__}"
+
+
+def _bf16_compress_any_backend_hook(
+    process_group, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's bf16_compress_hook under another name: DDP refuses a hook named so unless NCCL
+    2.10+ (or XCCL) is there, though gloo all-reduces bfloat16 tensors too (the `bf16` row's
+    tolerance checks the result)."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _check_bfloat16_all_reduce(device: torch.device) -> None:
+    """Raise NotImplementedError unless the world's backend sums bfloat16 tensors on `device`:
+    every rank probes alike, so they agree on what is left out."""
+    probe = torch.ones(8, dtype=torch.bfloat16, device=device)
+    try:
+        dist.all_reduce(probe)
+    except RuntimeError as exc:
+        raise NotImplementedError(
+            f"{dist.get_backend()} cannot all-reduce bfloat16 tensors here: "
+            f"{str(exc).splitlines()[0]}") from None
+    if not (probe == dist.get_world_size()).all():
+        raise NotImplementedError(
+            f"{dist.get_backend()} all-reduced 8 bfloat16 ones on {dist.get_world_size()} ranks "
+            f"into {probe.tolist()}")
 
 
 def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
