@@ -35,6 +35,9 @@ WIRE = {
     "backend-mem": None,
     "fp16": "fp16",
     "bf16": "bf16",
+    # Low-rank factors in float32: not a rounding of the gradients (train gives them no tolerance).
+    "powersgd-r1": None,
+    "powersgd-r4": None,
     "torch-fp16": "fp16",
     "torch-bf16": "bf16",
 }

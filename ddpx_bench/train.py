@@ -8,6 +8,7 @@ About 3 minutes on 2 cores at the defaults.
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
     ddpx-bench train --world_sizes 2 --comm_hooks default,backend,backend-mem --params 2M
     ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
+    ddpx-bench train --link 1gbit --world_sizes 4 --comm_hooks default,bf16,powersgd,ddpx,none
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx_bench.models.MLP with --params
 parameters on --batch_size rows of random data per rank (or, with --model gpt, of
@@ -15,8 +16,11 @@ ddpx_bench.models.GPT on --batch_size sequences of random token ids, with its ne
 model per --comm_hooks entry:
 `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
 bf16_compress_hook; DDP registers a hook of the latter's name only with NCCL, so it is registered
-through a wrapper, and left out where the backend does not sum bfloat16), `ddpx`, `ddpx-fp16`,
-`ddpx-bf16` (ddpx.register_fused_hook), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
+through a wrapper, and left out where the backend does not sum bfloat16), `powersgd-r1` and
+`powersgd-r4` (`powersgd`: both; torch's powerSGD_hook of matrix_approximation_rank 1 and 4, with
+its error feedback and warm start, compressing from the third step on, which the default --warmup
+leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16` (ddpx.register_fused_hook), `backend` and
+`backend-mem` (DDP's own all-reduce, no hook,
 on a group of every rank made with ddpx's backend, each with its own; gradient_as_bucket_view, so
 each .grad is a view of its bucket: `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary
 memory, which ddpx copies in and out of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the
@@ -32,8 +36,9 @@ sample is one step on the slowest rank, started right after a barrier. Reported:
 step time in ms, x vs default, and max |diff| of each model's final parameters from the default
 model's with its tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest
 parameter change of the default model) and of the parameters to float32 (64 u_fp32 x the largest
-parameter). Parameters that differ across ranks, or from default's beyond the tolerance, make the
-run exit with status 1 after the table.
+parameter); PowerSGD's |diff| has no tolerance, as it is not a rounding of the gradients.
+Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
+with status 1 after the table.
 """
 
 import copy
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
@@ -70,8 +75,15 @@ from ddpx_bench.report import (
     tcp_line,
 )
 
-COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "backend", "backend-mem",
-              "none")
+COMM_HOOKS = ("default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-fp16",
+              "ddpx-bf16", "backend", "backend-mem", "none")
+# What --comm_hooks takes for several hooks.
+HOOK_SHORTHANDS = {"powersgd": ("powersgd-r1", "powersgd-r4")}
+# torch's PowerSGD: hook name -> matrix_approximation_rank.
+POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r4": 4}
+# The first step PowerSGD compresses (0-based): the earliest it takes with error feedback and warm
+# start, whose memory needs the buckets DDP rebuilds after the first step.
+POWERSGD_START = 2
 # DDP's own all-reduce on a group with ddpx's backend, its buckets in ordinary memory or in ddpx's
 # arena (comm memory): hook name -> whether comm memory is on.
 BACKEND_HOOKS = {"backend": False, "backend-mem": True}
@@ -196,6 +208,14 @@ def _register_hook(name: str, model: DDP) -> str:
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+    if name in POWERSGD_RANKS:
+        state = _InOrderState(powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=POWERSGD_RANKS[name],
+            start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True,
+            random_seed=0))
+        model.register_comm_hook(state, _powersgd_in_order_hook)
+        return (f"torch powerSGD_hook, rank {POWERSGD_RANKS[name]}, error feedback, warm start, "
+                f"from step {POWERSGD_START + 1}; a bucket at a time")
     if name == "bf16":
         _check_bfloat16_all_reduce(next(model.parameters()).device)
         model.register_comm_hook(dist.group.WORLD, _bf16_compress_any_backend_hook)
@@ -203,6 +223,30 @@ def _register_hook(name: str, model: DDP) -> str:
     hook = getattr(default_hooks, f"{name}_compress_hook")
     model.register_comm_hook(dist.group.WORLD, hook)
     return f"torch {hook.__name__}"
+
+
+class _InOrderState:
+    """A hook's state (`hooked`), and the future of the last bucket it was given."""
+
+    __slots__ = ("hooked", "last")
+
+    def __init__(self, hooked):
+        self.hooked = hooked
+        self.last: torch.futures.Future | None = None
+
+
+def _powersgd_in_order_hook(
+    state: _InOrderState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook on `bucket` once the previous bucket's is done. The hook starts its
+    P and Q all-reduces in callbacks, on the backend's threads, while DDP hands it the next bucket
+    on the autograd thread: on gloo, whose ranks must start their collectives in the same order,
+    the two race and the ranks' collectives mismatch. Waiting costs the overlap of one bucket's
+    communication with the backward of the next."""
+    if state.last is not None:
+        state.last.wait()
+    state.last = powerSGD_hook.powerSGD_hook(state.hooked, bucket)
+    return state.last
 
 
 def _bf16_compress_any_backend_hook(
@@ -284,7 +328,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
         row.update(diffs.get(name, {}))
         if not row["ranks_identical"]:
             failures.append(f"{name}: parameters differ across ranks")
-        if diffs and not row["max_abs_diff"] <= row["tolerance"]:
+        if diffs and row["tolerance"] is not None and not row["max_abs_diff"] <= row["tolerance"]:
             failures.append(
                 f"{name}: parameters {row['max_abs_diff']:.3g} from default's, "
                 f"tolerance {row['tolerance']:.3g}"
@@ -308,9 +352,9 @@ def _zero_copy(model: "_BackendDDP", failures: list[str], name: str) -> dict:
 
 
 def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
-    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance.
-    `models`: hook name -> (DDP model, description); `initial` is on the models' device.
-    tools/gpu_report.py uses it too."""
+    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance
+    (None for PowerSGD, which is not a rounding of the gradients). `models`: hook name -> (DDP
+    model, description); `initial` is on the models' device. tools/gpu_report.py uses it too."""
     if "default" not in models:
         return {}
     default = models["default"][0].module
@@ -322,7 +366,7 @@ def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
         rounding = UNIT_ROUNDOFF[WIRE[name]] * moved + UNIT_ROUNDOFF[None] * largest
         diffs[name] = {
             "max_abs_diff": _max_abs_diff(model.module, default),
-            "tolerance": PARAM_TOLERANCE_ROUNDINGS * rounding,
+            "tolerance": None if name in POWERSGD_RANKS else PARAM_TOLERANCE_ROUNDINGS * rounding,
         }
     return diffs
 
@@ -340,7 +384,7 @@ class Train(Mode):
     bigger_is_better = ("x_vs_default",)
 
     def add_arguments(self, parser):
-        choices_option(parser, "--comm_hooks", COMM_HOOKS)
+        choices_option(parser, "--comm_hooks", COMM_HOOKS, shorthands=HOOK_SHORTHANDS)
         parser.add_argument("--params", type=count, default="25M",
                             help="parameters of the MLP, with K/M suffixes (powers of 1000)")
         parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
@@ -349,7 +393,8 @@ class Train(Mode):
                                  "random tokens)")
         parser.add_argument("--batch_size", type=int, default=16)
         parser.add_argument("--steps", type=int, default=12, help="timed steps per hook")
-        parser.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
+        parser.add_argument("--warmup", type=int, default=2,
+                            help="untimed steps per hook (PowerSGD compresses from the third)")
         parser.add_argument("--lr", type=float, default=0.01)
         node_options(parser)
 
@@ -372,8 +417,9 @@ class Train(Mode):
             # The floor, none, is not checked: no |diff| and no tolerance.
             ("max |diff|", ">10",
              lambda row: f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else ""),
-            ("tolerance", ">9",
-             lambda row: f"{row['tolerance']:.2e}" if "max_abs_diff" in row else ""),
+            # PowerSGD's |diff| has no tolerance: it is not a rounding of the gradients.
+            ("tolerance", ">9", lambda row: "" if "max_abs_diff" not in row else
+             "-" if row["tolerance"] is None else f"{row['tolerance']:.2e}"),
             ("path", "", lambda row: row["describe"] + (
                 f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
                 if "zero_copy_calls" in row else "")),

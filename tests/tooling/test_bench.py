@@ -694,14 +694,19 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    hooks = ["default", "fp16", "bf16", "ddpx", "ddpx-bf16", "backend", "backend-mem", "none"]
-    options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
-    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(hooks))
+    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "backend", "backend-mem",
+             "none"]
+    hooks = [*typed[:3], "powersgd-r1", "powersgd-r4", *typed[4:]]
+    # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
+    # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
+    options = "--params 400K --steps 3 --warmup 1 --batch_size 4".split()
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(typed))
 
     rows = {row["hook"]: row for row in document["rows"]}
     check_measured(hooks, list(rows), document["left_out"])
     # torch's bf16 hook on gloo, which DDP refuses by the hook's name without NCCL.
-    assert {"default", "fp16", "bf16", "none"} <= set(rows)
+    assert {"default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "none"} <= set(rows)
+    assert list(rows) == [hook for hook in hooks if hook in rows]  # in the order typed
     for row in rows.values():
         assert row["world_size"] == 2
         check_times(row)
@@ -710,9 +715,13 @@ def test_train(tmp_path):
             assert "ranks_identical" not in row and "max_abs_diff" not in row
             continue
         assert row["ranks_identical"]
+        if row["hook"].startswith("powersgd"):  # not a rounding: a |diff|, no tolerance
+            assert row["max_abs_diff"] > 0 and row["tolerance"] is None
+            continue
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
     assert "x vs default" in stdout
+    assert re.search(r" powersgd-r1 .* - +torch powerSGD_hook, rank 1,", stdout), stdout
     if ddpx_backend_registered():
         # DDP's own all-reduce on ddpx's backend: its buckets in ordinary memory, none of its
         # all-reduces zero-copy; in ddpx's arena, some (the first on a new bucket maps it).
@@ -720,6 +729,20 @@ def test_train(tmp_path):
         mem = rows["backend-mem"]
         assert 0 < mem["zero_copy_calls"] <= mem["all_reduces"] == rows["backend"]["all_reduces"]
         assert re.search(r" backend-mem .* arena .* of \d+ all-reduces zero-copy", stdout), stdout
+
+
+def test_powersgd_stands_for_both_ranks_where_it_is_typed():
+    from ddpx_bench import cli
+
+    def hooks(mode: str, *argv: str) -> list[str]:
+        return cli.parse_args([mode, *argv]).comm_hooks
+
+    assert hooks("train", "--comm_hooks", "default,powersgd,none") == [
+        "default", "powersgd-r1", "powersgd-r4", "none"]
+    assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
+    assert {"powersgd-r1", "powersgd-r4"} <= set(hooks("train"))
+    with pytest.raises(SystemExit):
+        cli.parse_args(["train", "--comm_hooks", "powersgd-r2"])
 
 
 @pytest.mark.slow
