@@ -24,6 +24,7 @@ WIRE = {
     "ddpx-arena": None,
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
+    "ddpx-int8": "int8",
     "ddpx-oneshot": None,
     "ddpx-timed": None,
     "ddpx-wide": None,
@@ -41,7 +42,8 @@ WIRE = {
     "torch-fp16": "fp16",
     "torch-bf16": "bf16",
 }
-UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8}
+# Block-scaled int8: each value rounded to within half a step of max|block| / 127.
+UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8, "int8": 2.0**-7}
 # Set by ddpx-bench for the ranks it starts with mpirun: their temporary folder (the FileStore's).
 MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
 

@@ -694,8 +694,8 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "backend", "backend-mem",
-             "none"]
+    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "backend",
+             "backend-mem", "none"]
     hooks = [*typed[:3], "powersgd-r1", "powersgd-r4", *typed[4:]]
     # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
     # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
@@ -720,6 +720,8 @@ def test_train(tmp_path):
             continue
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
+    if "ddpx-int8" in document["left_out"]:  # until ddpx has the compression
+        assert "compression='int8'" in document["left_out"]["ddpx-int8"]
     assert "x vs default" in stdout
     assert re.search(r" powersgd-r1 .* - +torch powerSGD_hook, rank 1,", stdout), stdout
     if ddpx_backend_registered():
@@ -740,7 +742,7 @@ def test_powersgd_stands_for_both_ranks_where_it_is_typed():
     assert hooks("train", "--comm_hooks", "default,powersgd,none") == [
         "default", "powersgd-r1", "powersgd-r4", "none"]
     assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
-    assert {"powersgd-r1", "powersgd-r4"} <= set(hooks("train"))
+    assert {"powersgd-r1", "powersgd-r4", "ddpx-int8"} <= set(hooks("train"))
     with pytest.raises(SystemExit):
         cli.parse_args(["train", "--comm_hooks", "powersgd-r2"])
 
