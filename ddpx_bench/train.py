@@ -38,7 +38,10 @@ model's with its tolerance: 64 roundings of the gradients to the wire dtype (64 
 parameter change of the default model) and of the parameters to float32 (64 u_fp32 x the largest
 parameter); PowerSGD's |diff| has no tolerance, as it is not a rounding of the gradients.
 Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
-with status 1 after the table.
+with status 1 after the table. On the testbed (--link), each node's local rank 0 reads its
+interface's byte counters around each step (from the barrier before it to one after it): link
+MB/step is what a node sent per timed step, the mean over the steps and the nodes, and bytes vs
+fp32 that over the `ddpx` hook's.
 """
 
 import copy
@@ -56,6 +59,7 @@ from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     environment,
+    link_traffic,
     node_count,
     same_on_all_ranks,
     slowest_rank_stats,
@@ -96,9 +100,12 @@ def bench_train(args) -> dict:
     torch.manual_seed(args.seed)
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
     models = hooked_models(initial, args.comm_hooks, left_out)
+    traffic = link_traffic()
     samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
-                          args.steps)
+                          args.steps, traffic)
     rows = _train_rows(initial, models, samples, args, failures)
+    if traffic is not None:
+        _add_link_bytes(rows, traffic, args.warmup)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
 
 
@@ -190,16 +197,17 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
-                steps: int) -> dict:
+                steps: int, traffic=None) -> dict:
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
-    makes them the slowest rank's). tools/gpu_report.py uses it too."""
+    makes them the slowest rank's); `traffic` (common.link_traffic's) counts each step's bytes
+    on the link. tools/gpu_report.py uses it too."""
     steps_of = {
         name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
         for name, (model, _) in models.items()
     }
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
-                             batches[0].device)
+                             batches[0].device, traffic)
     return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
@@ -343,6 +351,17 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     return rows
 
 
+def _add_link_bytes(rows: list[dict], traffic, warmup: int) -> None:
+    """Each row's bytes on the link per timed step (LinkTraffic.per_step: a node's, the mean over
+    the steps and the nodes), and their ratio to the `ddpx` (float32) hook's."""
+    for row in rows:
+        row.update(traffic.per_step(row["hook"], first=warmup))
+    fp32 = next((row["link_bytes_per_step"] for row in rows if row["hook"] == "ddpx"), None)
+    for row in rows:
+        sent = row["link_bytes_per_step"]
+        row["bytes_vs_fp32"] = sent / fp32 if fp32 and sent is not None else None
+
+
 def _zero_copy(model: "_BackendDDP", failures: list[str], name: str) -> dict:
     """This rank's all-reduces on the model's group over the run, and how many of them ddpx's
     engine ran zero-copy: some with comm memory (not the first on a new bucket, which the peers map
@@ -411,6 +430,13 @@ class Train(Mode):
             ("worst ms", ">9", lambda row: f"{row['worst_median_ms']:.1f}"),
             ("worst x", ">7", lambda row: format_ratio(row.get("worst_x_vs_default"))),
         ]
+        # Three digits however small: PowerSGD's bytes are a small fraction of float32's.
+        link = [
+            ("link MB/step", ">12", lambda row: "-" if row.get("link_bytes_per_step") is None
+             else f"{row['link_bytes_per_step'] / 1e6:#.3g}"),
+            ("bytes vs fp32", ">13", lambda row: "-" if row.get("bytes_vs_fp32") is None
+             else f"{row['bytes_vs_fp32']:#.3g}"),
+        ]
         lines = format_table([
             ("world", ">5", lambda row: row["world_size"]),
             ("hook", "<11", lambda row: row["hook"]),
@@ -424,6 +450,7 @@ class Train(Mode):
             # PowerSGD's |diff| has no tolerance: it is not a rounding of the gradients.
             ("tolerance", ">9", lambda row: "" if "max_abs_diff" not in row else
              "-" if row["tolerance"] is None else f"{row['tolerance']:.2e}"),
+            *(link if any("link_bytes_per_step" in row for row in rows) else []),
             ("path", "", lambda row: row["describe"] + (
                 f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
                 if "zero_copy_calls" in row else "")),
@@ -440,6 +467,10 @@ class Train(Mode):
             lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
         if any("link" in row for row in rows):
             lines.append(tcp_line(rows))
+        if any("link_bytes_per_step" in row for row in rows):
+            lines.append("link MB/step: what a node sent per timed step (its interface's tx "
+                         "counter, headers and ACKs included), mean over the steps and the "
+                         "nodes; bytes vs fp32: / the ddpx hook's")
         return lines
 
     def plot(self, rows: list[dict], path: Path) -> None:

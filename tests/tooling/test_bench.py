@@ -534,6 +534,31 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
                                             text=True).stdout.split() if ns.startswith("ddpx-")]
 
 
+@pytest.mark.slow  # 20 s
+@pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
+                    reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
+def test_train_on_a_shaped_link_counts_what_each_hook_sends(tmp_path):
+    options = "--params 400K --steps 2 --warmup 2 --batch_size 4 --link 1gbit".split()
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks",
+                                 "default,powersgd,ddpx,ddpx-bf16,none", world_sizes="4")
+
+    rows = {row["hook"]: row for row in document["rows"]}
+    assert list(rows) == ["default", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-bf16", "none"]
+    gradients = 4 * rows["ddpx"]["params"]
+    fp32 = rows["ddpx"]["link_bytes_per_step"]
+    for row in rows.values():
+        assert row["bytes_vs_fp32"] == pytest.approx(row["link_bytes_per_step"] / fp32)
+    # ddpx: each node sends its float32 sum across once (and the packets' headers, the ACKs);
+    # bf16 half that; gloo's ring 2(N-1)/N of the gradients on each node's one edge across.
+    assert gradients <= fp32 <= 1.1 * gradients
+    assert rows["ddpx-bf16"]["bytes_vs_fp32"] == pytest.approx(0.5, rel=0.05)
+    assert rows["default"]["bytes_vs_fp32"] == pytest.approx(1.5, rel=0.05)
+    assert (rows["powersgd-r1"]["link_bytes_per_step"] < rows["powersgd-r4"]["link_bytes_per_step"]
+            < 0.2 * gradients)
+    assert rows["none"]["link_bytes_per_step"] < 0.01 * gradients  # the barriers'
+    assert "link MB/step" in stdout and "bytes vs fp32" in stdout
+
+
 def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
     from ddpx_bench.collectives import bytes_across
 
@@ -711,6 +736,7 @@ def test_train(tmp_path):
         assert row["world_size"] == 2
         check_times(row)
         assert row["x_vs_default"] == pytest.approx(rows["default"]["median_ms"] / row["median_ms"])
+        assert "link_bytes_per_step" not in row  # off the testbed
         if row["hook"] == "none":  # the floor: timed, not checked
             assert "ranks_identical" not in row and "max_abs_diff" not in row
             continue
@@ -722,7 +748,7 @@ def test_train(tmp_path):
     assert rows["default"]["max_abs_diff"] == 0
     if "ddpx-int8" in document["left_out"]:  # until ddpx has the compression
         assert "compression='int8'" in document["left_out"]["ddpx-int8"]
-    assert "x vs default" in stdout
+    assert "x vs default" in stdout and "link MB/step" not in stdout
     assert re.search(r" powersgd-r1 .* - +torch powerSGD_hook, rank 1,", stdout), stdout
     if ddpx_backend_registered():
         # DDP's own all-reduce on ddpx's backend: its buckets in ordinary memory, none of its
