@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 # The modes' files, in the order --help lists them.
-_FILES = ("allreduce", "collectives", "train", "fsdp", "accuracy")
+_FILES = ("allreduce", "collectives", "train", "converge", "fsdp", "accuracy")
 
 
 class Mode:
@@ -27,7 +27,7 @@ class Mode:
     # One line for ddpx-bench --help's list of modes.
     help: str
     # What the JSON document and the table's header say of the figures: {"timing": how a sample
-    # is taken} or {"errors": what an error is measured against}.
+    # is taken}, {"errors": what an error is measured against} or {"loss": what a loss is}.
     measured: dict
     # --world_sizes' default.
     world_sizes = (2, 4)

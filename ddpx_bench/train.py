@@ -310,6 +310,12 @@ def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tens
     loss = GPT.next_token_loss(out, batch) if batch.dtype == torch.long else out.square().mean()
     loss.backward()
     optimizer.step()
+    check_step(model, index)
+
+
+def check_step(model: DDP, index: int) -> None:
+    """Raise where step `index` left a gradient of a `backend` or `backend-mem` model elsewhere
+    than its bucket should lie; nothing for the other hooks."""
     if isinstance(model, _BackendDDP):
         model.check_buckets(index)  # a few lookups in the arena's map: microseconds
 

@@ -108,7 +108,7 @@ def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict,
     assert document["machine"]["threads_per_rank"] == (int(threads) if threads.isdigit()
                                                        else threads)
     assert document["failures"] == []
-    assert ("timing" in document) != ("errors" in document)
+    assert len({"timing", "errors", "loss"} & set(document)) == 1
     if ddpx_built():
         assert "unavailable" not in document["machine"]["ddpx"]
     return document, done.stdout
@@ -664,12 +664,12 @@ def help_run() -> subprocess.CompletedProcess:
     return subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
 
 
-def test_help_lists_the_five_modes(help_run):
+def test_help_lists_the_six_modes(help_run):
     done = help_run
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ddpx-bench ")
-    assert "{allreduce,collectives,train,fsdp,accuracy}" in done.stdout
-    for mode in ("allreduce", "collectives", "train", "fsdp", "accuracy"):
+    assert "{allreduce,collectives,train,converge,fsdp,accuracy}" in done.stdout
+    for mode in ("allreduce", "collectives", "train", "converge", "fsdp", "accuracy"):
         assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
 
 
@@ -768,9 +768,37 @@ def test_powersgd_stands_for_both_ranks_where_it_is_typed():
     assert hooks("train", "--comm_hooks", "default,powersgd,none") == [
         "default", "powersgd-r1", "powersgd-r4", "none"]
     assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
+    assert hooks("converge") == ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx",
+                                 "ddpx-bf16", "ddpx-int8", "none"]
     assert {"powersgd-r1", "powersgd-r4", "ddpx-int8"} <= set(hooks("train"))
     with pytest.raises(SystemExit):
         cli.parse_args(["train", "--comm_hooks", "powersgd-r2"])
+
+
+def test_converge(tmp_path):
+    typed = ["default", "bf16", "powersgd", "ddpx", "none"]
+    hooks = ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "none"]
+    document, stdout = run_bench(tmp_path, "converge", "--params", "50K", "--steps", "20",
+                                 "--comm_hooks", ",".join(typed))
+
+    assert "loss" in document
+    rows = {row["hook"]: row for row in document["rows"]}
+    check_measured(hooks, list(rows), document["left_out"])
+    assert {"default", "bf16", "powersgd-r1", "powersgd-r4", "none"} <= set(rows)
+    default = rows["default"]
+    assert default["final_loss"] < default["first_loss"]  # it learns
+    for row in rows.values():
+        assert row["world_size"] == 2 and row["steps"] == 20 and len(row["losses"]) == 20
+        # The same model on the same first batches: the same first loss, whatever the hook.
+        assert row["first_loss"] == row["losses"][0] == default["first_loss"]
+        assert row["final_loss"] == pytest.approx(statistics.mean(row["losses"][-10:]))
+        assert row["vs_default_pct"] == pytest.approx(
+            100 * (row["final_loss"] - default["final_loss"]) / default["final_loss"])
+        # Each rank of `none` steps with its own gradients, on its own data.
+        assert row["same_on_all_ranks"] is row["trains"] is (row["hook"] != "none")
+    assert default["vs_default_pct"] == 0
+    assert "final loss" in stdout and "vs default %" in stdout
+    assert re.search(r" none .* no +no communication.*: not a way to train", stdout), stdout
 
 
 @pytest.mark.slow
