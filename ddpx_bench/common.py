@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,13 @@ WIRE = {
     "backend-mem": None,
     "fp16": "fp16",
     "bf16": "bf16",
+    # Low-rank factors in float32: not a rounding of the gradients (train gives them no tolerance).
+    "powersgd-r1": None,
+    "powersgd-r4": None,
     "torch-fp16": "fp16",
     "torch-bf16": "bf16",
 }
-# int8: block-scaled, each value within half a step of its block's largest / 127.
+# Block-scaled int8: each value rounded to within half a step of max|block| / 127.
 UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8, "int8": 2.0**-7}
 # Set by ddpx-bench for the ranks it starts with mpirun: their temporary folder (the FileStore's).
 MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
@@ -193,12 +197,13 @@ def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def steps_in_turns(steps: dict, indices: range, cell: str,
-                   device: torch.device | None = None) -> dict:
+def steps_in_turns(steps: dict, indices: range, cell: str, device: torch.device | None = None,
+                   traffic: "LinkTraffic | None" = None) -> dict:
     """Steps `indices` of each of `steps` (name -> a call that makes step `index` of its model),
     the models taking turns step by step so that they share the machine's conditions: name ->
     this rank's seconds for each step (slowest_rank_stats makes them the slowest rank's). A step
-    begins after a barrier; on a GPU `device`, it is timed from idle to done on the device."""
+    begins after a barrier; on a GPU `device`, it is timed from idle to done on the device.
+    `traffic` (link_traffic's, on the testbed) counts the node's bytes through each step."""
     samples = {name: [] for name in steps}
     started = time.perf_counter()
     for index in indices:
@@ -208,18 +213,81 @@ def steps_in_turns(steps: dict, indices: range, cell: str,
                 f"{time.perf_counter() - started:.0f} s elapsed"
             )
         for name, step in steps.items():
-            samples[name].append(_timed_step(step, index, device))
+            samples[name].append(_timed_step(step, index, device, traffic, name))
     return samples
 
 
-def _timed_step(step, index: int, device: torch.device | None) -> float:
+def _timed_step(step, index: int, device: torch.device | None, traffic: "LinkTraffic | None",
+                name: str) -> float:
     _synchronize(device)
     if dist.get_world_size() > 1:
         dist.barrier()
+    before = traffic.counters() if traffic is not None else None
     start = time.perf_counter()
     step(index)
     _synchronize(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if traffic is not None:
+        # Past this barrier every rank has finished the step, so every byte of it has been
+        # received, hence sent: the counters hold the whole step (and two barriers' few bytes).
+        dist.barrier()
+        traffic.add(name, before, traffic.counters())
+    return seconds
+
+
+class LinkTraffic:
+    """The bytes a node of ddpx-bench's testbed sent and received through its interface in each
+    step of each model: its counters (/sys/class/net/<interface>/statistics/, which a process in
+    the node's namespace sees as that namespace's), read by the node's local rank 0 alone (they
+    count every rank of the node, headers and ACKs included); made by link_traffic."""
+
+    def __init__(self, interface: str | None):
+        self.interface = interface  # None: a rank that reads nothing
+        self.steps: dict[str, list[tuple[int, int]]] = {}
+
+    def counters(self) -> tuple[int, int] | None:
+        """The node's bytes (sent, received) so far; None on a rank that does not read them."""
+        if self.interface is None:
+            return None
+        statistics = Path("/sys/class/net", self.interface, "statistics")
+        return tuple(int((statistics / f"{way}_bytes").read_text()) for way in ("tx", "rx"))
+
+    def add(self, name: str, before: tuple[int, int] | None,
+            after: tuple[int, int] | None) -> None:
+        if before is not None:
+            self.steps.setdefault(name, []).append(
+                (after[0] - before[0], after[1] - before[1]))
+
+    def per_step(self, name: str, first: int = 0) -> dict:
+        """The bytes a node sent (`link_bytes_per_step`) and received (`link_rx_bytes_per_step`)
+        per step of model `name` from step `first` on: the mean over those steps and over the
+        nodes. Collective: every rank calls it, in the same order of names."""
+        mine = None
+        if self.interface is not None:
+            steps = self.steps.get(name, [])[first:]
+            mine = (sum(tx for tx, _ in steps), sum(rx for _, rx in steps), len(steps))
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, mine)
+        nodes = [node for node in nodes if node is not None]
+        node_steps = sum(count for _, _, count in nodes)
+        if not node_steps:
+            return {"link_bytes_per_step": None, "link_rx_bytes_per_step": None}
+        return {"link_bytes_per_step": sum(tx for tx, _, _ in nodes) / node_steps,
+                "link_rx_bytes_per_step": sum(rx for _, rx, _ in nodes) / node_steps}
+
+
+def link_traffic() -> LinkTraffic | None:
+    """A LinkTraffic where every rank runs on ddpx-bench's testbed (which names each rank's
+    node's interface in its environment), counting on each node's local rank 0; else None.
+    Collective."""
+    from ddpx_bench.testbed import INTERFACE_VARIABLE  # a few names: nothing is set up
+
+    interface = os.environ.get(INTERFACE_VARIABLE)
+    everywhere = [None] * dist.get_world_size()
+    dist.all_gather_object(everywhere, interface is not None)
+    if not all(everywhere):
+        return None
+    return LinkTraffic(interface if os.environ.get("LOCAL_RANK", "0") == "0" else None)
 
 
 def _synchronize(device: torch.device | None) -> None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 # The modes' files, in the order --help lists them.
-_FILES = ("allreduce", "collectives", "train", "fsdp", "accuracy")
+_FILES = ("allreduce", "collectives", "train", "converge", "fsdp", "accuracy")
 
 
 class Mode:
@@ -27,7 +27,7 @@ class Mode:
     # One line for ddpx-bench --help's list of modes.
     help: str
     # What the JSON document and the table's header say of the figures: {"timing": how a sample
-    # is taken} or {"errors": what an error is measured against}.
+    # is taken}, {"errors": what an error is measured against} or {"loss": what a loss is}.
     measured: dict
     # --world_sizes' default.
     world_sizes = (2, 4)
@@ -136,26 +136,35 @@ def int_list(text: str) -> list[int]:
 
 
 def choices_option(parser: argparse.ArgumentParser, option: str, choices: tuple[str, ...],
-                   default: tuple[str, ...] | None = None, said: str | None = None) -> None:
+                   default: tuple[str, ...] | None = None, said: str | None = None,
+                   shorthands: dict[str, tuple[str, ...]] | None = None) -> None:
     """`option`, comma-separated items each one of `choices` (the engines, hooks, methods...
-    a mode compares); by default `default` (all of them), which --help words as `said` (default:
-    "all", or the default's items)."""
+    a mode compares) or of `shorthands` (a name -> the choices it stands for, in place); by
+    default `default` (all of them), which --help words as `said` (default: "all", or the
+    default's items)."""
     default = list(choices if default is None else default)
     if said is None:
         said = "all" if default == list(choices) else ",".join(default)
-    parser.add_argument(option, type=_choice_list(choices), default=default,
-                        help=f"comma-separated, from {','.join(choices)} (default {said})")
+    shorthands = shorthands or {}
+    stands_for = "".join(f"; {name}: {','.join(items)}" for name, items in shorthands.items())
+    parser.add_argument(option, type=_choice_list(choices, shorthands), default=default,
+                        help=f"comma-separated, from {','.join(choices)}{stands_for} (default "
+                             f"{said})")
 
 
-def _choice_list(choices):
-    """A type of comma-separated items, each one of `choices`."""
+def _choice_list(choices, shorthands):
+    """A type of comma-separated items, each one of `choices`, or of `shorthands`, each of which
+    is replaced by the choices it stands for; an item given twice counts once, where it first
+    stands."""
 
     def parse(text: str) -> list[str]:
         items = text.split(",")
-        unknown = sorted(set(items) - set(choices))
+        unknown = sorted(set(items) - set(choices) - set(shorthands))
         if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(choices)}")
-        return items
+            names = ",".join([*choices, *shorthands])
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {names}")
+        return list(dict.fromkeys(
+            choice for item in items for choice in shorthands.get(item, (item,))))
 
     return parse
 

@@ -63,6 +63,11 @@ class GPT(nn.Module):
         self.positions = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(depth))
         self.ln = nn.LayerNorm(width)
+        # GPT-2's initialization of the embeddings: with nn.Embedding's N(0, 1), the tied output
+        # layer's logits start with a standard deviation near sqrt(width), and the loss far above
+        # ln(vocab), where a model that knows nothing starts.
+        for embedding in (self.tokens, self.positions):
+            nn.init.normal_(embedding.weight, std=0.02)
 
     @classmethod
     def with_params(cls, n_params: int, width: int = 512, vocab: int = 8192) -> "GPT":

@@ -98,9 +98,7 @@ def format_report(document: dict, table, header: Sequence[str] = ()) -> str:
         f"ddpx bench {document['mode']}: {machine['cpu']}, {machine['cores']} cores, "
         f"{threads_line(machine)}, torch {machine['torch']}",
         *header,
-        f"timing: {document['timing']}; median and p10-p90 over the samples"
-        if "timing" in document
-        else f"errors: {document['errors']}",
+        _measured_line(document),
         _load_line(document["settings"]),
     ]
     left_out = {}
@@ -111,6 +109,14 @@ def format_report(document: dict, table, header: Sequence[str] = ()) -> str:
     lines.append("")
     lines += table(document["rows"])
     return "\n".join(lines)
+
+
+def _measured_line(document: dict) -> str:
+    """The header's line of what the figures are (Mode.measured)."""
+    if "timing" in document:
+        return f"timing: {document['timing']}; median and p10-p90 over the samples"
+    what = next(key for key in ("errors", "loss") if key in document)
+    return f"{what}: {document[what]}"
 
 
 def _load_line(settings: dict) -> str:

@@ -33,11 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Node", "Testbed", "bits_per_second", "unavailable"]
+__all__ = ["INTERFACE_VARIABLE", "Node", "Testbed", "bits_per_second", "unavailable"]
 
 _PREFIX = "ddpx-"
 _OURS = re.compile(rf"^{_PREFIX}(\d+)-")  # the creator's pid
 _serial = itertools.count()
+# Set by Testbed.torchrun for every rank it starts: the name of its node's interface, whose
+# counters (/sys/class/net/<name>/statistics/) are the node's traffic on the link.
+INTERFACE_VARIABLE = "DDPX_TESTBED_INTERFACE"
 
 _RECEIVE = """
 import socket, sys, time
@@ -258,7 +261,8 @@ class Testbed:
                  port: int | None = None) -> list[subprocess.Popen]:
         """Starts one torchrun per node (node k: --node_rank k) of ``script_args``, each rank
         talking through its node's interface; their output (stdout and stderr) comes through
-        each Popen's stdout, as text. ``port``: the master's (default: a fresh one per call)."""
+        each Popen's stdout, as text; each rank finds its node's interface's name in
+        INTERFACE_VARIABLE. ``port``: the master's (default: a fresh one per call)."""
         torchrun = str(Path(sys.executable).with_name("torchrun"))
         port = port if port is not None else next(self._ports)
         procs = []
@@ -267,7 +271,8 @@ class Testbed:
                     "--nproc_per_node", str(nproc_per_node), "--master_addr", self.master_addr,
                     "--master_port", str(port), "--monitor-interval=1", *script_args]
             procs.append(self.popen(
-                k, argv, env={"GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1",
+                k, argv, env={"GLOO_SOCKET_IFNAME": node.interface,
+                              INTERFACE_VARIABLE: node.interface, "OMP_NUM_THREADS": "1",
                               "PYTHONUNBUFFERED": "1", **(env or {})},
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         return procs

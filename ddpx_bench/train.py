@@ -1,21 +1,26 @@
 """`ddpx-bench train`: DDP training steps of one MLP per comm hook, taking turns step by step,
 timed on the slowest rank; the final parameters checked across ranks and against DDP's default.
 
-About 3 minutes on 2 cores at the defaults.
+About 6 minutes on 2 cores at the defaults, half of them torch's bf16 and PowerSGD hooks.
 
     ddpx-bench train --json bench_out/train.json --plot bench_out/train.png
     ddpx-bench train --world_sizes 2 --params 2M --steps 5 --load 1   # busy machine
     ddpx-bench train --world_sizes 2 --comm_hooks default,ddpx --params 2M --steps 5
     ddpx-bench train --world_sizes 2 --comm_hooks default,backend,backend-mem --params 2M
     ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
+    ddpx-bench train --link 1gbit --world_sizes 4 --comm_hooks default,bf16,powersgd,ddpx,none
 
 In detail: DDP steps (forward, backward, SGD step) of ddpx_bench.models.MLP with --params
 parameters on --batch_size rows of random data per rank (or, with --model gpt, of
 ddpx_bench.models.GPT on --batch_size sequences of random token ids, with its next-token loss), one
 model per --comm_hooks entry:
 `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
-bf16_compress_hook; the latter needs NCCL, so it is left out on CPU), `ddpx`, `ddpx-fp16`,
-`ddpx-bf16` (ddpx.register_fused_hook), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
+bf16_compress_hook; DDP registers a hook of the latter's name only with NCCL, so it is registered
+through a wrapper, and left out where the backend does not sum bfloat16), `powersgd-r1` and
+`powersgd-r4` (`powersgd`: both; torch's powerSGD_hook of matrix_approximation_rank 1 and 4, with
+its error feedback and warm start, compressing from the third step on, which the default --warmup
+leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16`, `ddpx-int8` (ddpx.register_fused_hook; left out
+where this ddpx lacks the compression), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
 on a group of every rank made with ddpx's backend, each with its own; gradient_as_bucket_view, so
 each .grad is a view of its bucket: `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary
 memory, which ddpx copies in and out of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the
@@ -31,8 +36,12 @@ sample is one step on the slowest rank, started right after a barrier. Reported:
 step time in ms, x vs default, and max |diff| of each model's final parameters from the default
 model's with its tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest
 parameter change of the default model) and of the parameters to float32 (64 u_fp32 x the largest
-parameter). Parameters that differ across ranks, or from default's beyond the tolerance, make the
-run exit with status 1 after the table.
+parameter); PowerSGD's |diff| has no tolerance, as it is not a rounding of the gradients.
+Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
+with status 1 after the table. On the testbed (--link), each node's local rank 0 reads its
+interface's byte counters around each step (from the barrier before it to one after it): link
+MB/step is what a node sent per timed step, the mean over the steps and the nodes, and bytes vs
+fp32 that over the `ddpx` hook's.
 """
 
 import copy
@@ -41,7 +50,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpx
@@ -50,6 +59,7 @@ from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
     environment,
+    link_traffic,
     node_count,
     same_on_all_ranks,
     slowest_rank_stats,
@@ -69,8 +79,15 @@ from ddpx_bench.report import (
     tcp_line,
 )
 
-COMM_HOOKS = ("default", "fp16", "bf16", "ddpx", "ddpx-fp16", "ddpx-bf16", "backend", "backend-mem",
-              "none")
+COMM_HOOKS = ("default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-fp16",
+              "ddpx-bf16", "ddpx-int8", "backend", "backend-mem", "none")
+# What --comm_hooks takes for several hooks.
+HOOK_SHORTHANDS = {"powersgd": ("powersgd-r1", "powersgd-r4")}
+# torch's PowerSGD: hook name -> matrix_approximation_rank.
+POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r4": 4}
+# The first step PowerSGD compresses (0-based): the earliest it takes with error feedback and warm
+# start, whose memory needs the buckets DDP rebuilds after the first step.
+POWERSGD_START = 2
 # DDP's own all-reduce on a group with ddpx's backend, its buckets in ordinary memory or in ddpx's
 # arena (comm memory): hook name -> whether comm memory is on.
 BACKEND_HOOKS = {"backend": False, "backend-mem": True}
@@ -83,9 +100,12 @@ def bench_train(args) -> dict:
     torch.manual_seed(args.seed)
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
     models = hooked_models(initial, args.comm_hooks, left_out)
+    traffic = link_traffic()
     samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
-                          args.steps)
+                          args.steps, traffic)
     rows = _train_rows(initial, models, samples, args, failures)
+    if traffic is not None:
+        _add_link_bytes(rows, traffic, args.warmup)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
 
 
@@ -106,10 +126,14 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) ->
                     device_ids=[device.index] if device.type == "cuda" else None)
         try:
             models[name] = model, _register_hook(name, model)
-        # NotImplementedError: a ddpx compression not built yet; TypeError: DDP refuses torch's
-        # bf16_compress_hook without NCCL 2.10+ or XCCL.
+        # NotImplementedError: a ddpx compression not built yet, or a backend that cannot
+        # all-reduce bfloat16; TypeError: DDP refuses a hook.
         except (NotImplementedError, TypeError) as exc:
             left_out[name] = str(exc)
+        except ValueError as exc:  # a compression this ddpx does not know yet
+            if not (name.startswith("ddpx") and f"compression={WIRE[name]!r}" in str(exc)):
+                raise
+            left_out[name] = str(exc).splitlines()[0]
     return models
 
 
@@ -173,16 +197,17 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
-                steps: int) -> dict:
+                steps: int, traffic=None) -> dict:
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
-    makes them the slowest rank's). tools/gpu_report.py uses it too."""
+    makes them the slowest rank's); `traffic` (common.link_traffic's) counts each step's bytes
+    on the link. tools/gpu_report.py uses it too."""
     steps_of = {
         name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
         for name, (model, _) in models.items()
     }
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
-                             batches[0].device)
+                             batches[0].device, traffic)
     return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
@@ -195,9 +220,70 @@ def _register_hook(name: str, model: DDP) -> str:
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+    if name in POWERSGD_RANKS:
+        state = _InOrderState(powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=POWERSGD_RANKS[name],
+            start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True,
+            random_seed=0))
+        model.register_comm_hook(state, _powersgd_in_order_hook)
+        return (f"torch powerSGD_hook, rank {POWERSGD_RANKS[name]}, error feedback, warm start, "
+                f"from step {POWERSGD_START + 1}; a bucket at a time")
+    if name == "bf16":
+        _check_bfloat16_all_reduce(next(model.parameters()).device)
+        model.register_comm_hook(dist.group.WORLD, _bf16_compress_any_backend_hook)
+        return "torch bf16_compress_hook, through a wrapper (DDP refuses it by name off NCCL)"
     hook = getattr(default_hooks, f"{name}_compress_hook")
     model.register_comm_hook(dist.group.WORLD, hook)
     return f"torch {hook.__name__}"
+
+
+class _InOrderState:
+    """A hook's state (`hooked`), and the future of the last bucket it was given."""
+
+    __slots__ = ("hooked", "last")
+
+    def __init__(self, hooked):
+        self.hooked = hooked
+        self.last: torch.futures.Future | None = None
+
+
+def _powersgd_in_order_hook(
+    state: _InOrderState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's powerSGD_hook on `bucket` once the previous bucket's is done. The hook starts its
+    P and Q all-reduces in callbacks, on the backend's threads, while DDP hands it the next bucket
+    on the autograd thread: on gloo, whose ranks must start their collectives in the same order,
+    the two race and the ranks' collectives mismatch. Waiting costs the overlap of one bucket's
+    communication with the backward of the next."""
+    if state.last is not None:
+        state.last.wait()
+    state.last = powerSGD_hook.powerSGD_hook(state.hooked, bucket)
+    return state.last
+
+
+def _bf16_compress_any_backend_hook(
+    process_group, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's bf16_compress_hook under another name: DDP refuses a hook named so unless NCCL
+    2.10+ (or XCCL) is there, though gloo all-reduces bfloat16 tensors too (the `bf16` row's
+    tolerance checks the result)."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def _check_bfloat16_all_reduce(device: torch.device) -> None:
+    """Raise NotImplementedError unless the world's backend sums bfloat16 tensors on `device`:
+    every rank probes alike, so they agree on what is left out."""
+    probe = torch.ones(8, dtype=torch.bfloat16, device=device)
+    try:
+        dist.all_reduce(probe)
+    except RuntimeError as exc:
+        raise NotImplementedError(
+            f"{dist.get_backend()} cannot all-reduce bfloat16 tensors here: "
+            f"{str(exc).splitlines()[0]}") from None
+    if not (probe == dist.get_world_size()).all():
+        raise NotImplementedError(
+            f"{dist.get_backend()} all-reduced 8 bfloat16 ones on {dist.get_world_size()} ranks "
+            f"into {probe.tolist()}")
 
 
 def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -224,6 +310,12 @@ def _step(model: DDP, optimizer: torch.optim.Optimizer, batches: list[torch.Tens
     loss = GPT.next_token_loss(out, batch) if batch.dtype == torch.long else out.square().mean()
     loss.backward()
     optimizer.step()
+    check_step(model, index)
+
+
+def check_step(model: DDP, index: int) -> None:
+    """Raise where step `index` left a gradient of a `backend` or `backend-mem` model elsewhere
+    than its bucket should lie; nothing for the other hooks."""
     if isinstance(model, _BackendDDP):
         model.check_buckets(index)  # a few lookups in the arena's map: microseconds
 
@@ -254,7 +346,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
         row.update(diffs.get(name, {}))
         if not row["ranks_identical"]:
             failures.append(f"{name}: parameters differ across ranks")
-        if diffs and not row["max_abs_diff"] <= row["tolerance"]:
+        if diffs and row["tolerance"] is not None and not row["max_abs_diff"] <= row["tolerance"]:
             failures.append(
                 f"{name}: parameters {row['max_abs_diff']:.3g} from default's, "
                 f"tolerance {row['tolerance']:.3g}"
@@ -263,6 +355,17 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     for row in rows:
         row["x_vs_default"] = default_ms / row["median_ms"] if default_ms else None
     return rows
+
+
+def _add_link_bytes(rows: list[dict], traffic, warmup: int) -> None:
+    """Each row's bytes on the link per timed step (LinkTraffic.per_step: a node's, the mean over
+    the steps and the nodes), and their ratio to the `ddpx` (float32) hook's."""
+    for row in rows:
+        row.update(traffic.per_step(row["hook"], first=warmup))
+    fp32 = next((row["link_bytes_per_step"] for row in rows if row["hook"] == "ddpx"), None)
+    for row in rows:
+        sent = row["link_bytes_per_step"]
+        row["bytes_vs_fp32"] = sent / fp32 if fp32 and sent is not None else None
 
 
 def _zero_copy(model: "_BackendDDP", failures: list[str], name: str) -> dict:
@@ -278,9 +381,9 @@ def _zero_copy(model: "_BackendDDP", failures: list[str], name: str) -> dict:
 
 
 def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
-    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance.
-    `models`: hook name -> (DDP model, description); `initial` is on the models' device.
-    tools/gpu_report.py uses it too."""
+    """Per hook, max |diff| of its final parameters from the default model's, and a tolerance
+    (None for PowerSGD, which is not a rounding of the gradients). `models`: hook name -> (DDP
+    model, description); `initial` is on the models' device. tools/gpu_report.py uses it too."""
     if "default" not in models:
         return {}
     default = models["default"][0].module
@@ -292,7 +395,7 @@ def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
         rounding = UNIT_ROUNDOFF[WIRE[name]] * moved + UNIT_ROUNDOFF[None] * largest
         diffs[name] = {
             "max_abs_diff": _max_abs_diff(model.module, default),
-            "tolerance": PARAM_TOLERANCE_ROUNDINGS * rounding,
+            "tolerance": None if name in POWERSGD_RANKS else PARAM_TOLERANCE_ROUNDINGS * rounding,
         }
     return diffs
 
@@ -310,7 +413,7 @@ class Train(Mode):
     bigger_is_better = ("x_vs_default",)
 
     def add_arguments(self, parser):
-        choices_option(parser, "--comm_hooks", COMM_HOOKS)
+        choices_option(parser, "--comm_hooks", COMM_HOOKS, shorthands=HOOK_SHORTHANDS)
         parser.add_argument("--params", type=count, default="25M",
                             help="parameters of the MLP, with K/M suffixes (powers of 1000)")
         parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
@@ -319,7 +422,8 @@ class Train(Mode):
                                  "random tokens)")
         parser.add_argument("--batch_size", type=int, default=16)
         parser.add_argument("--steps", type=int, default=12, help="timed steps per hook")
-        parser.add_argument("--warmup", type=int, default=2, help="untimed steps per hook")
+        parser.add_argument("--warmup", type=int, default=2,
+                            help="untimed steps per hook (PowerSGD compresses from the third)")
         parser.add_argument("--lr", type=float, default=0.01)
         node_options(parser)
 
@@ -332,6 +436,13 @@ class Train(Mode):
             ("worst ms", ">9", lambda row: f"{row['worst_median_ms']:.1f}"),
             ("worst x", ">7", lambda row: format_ratio(row.get("worst_x_vs_default"))),
         ]
+        # Three digits however small: PowerSGD's bytes are a small fraction of float32's.
+        link = [
+            ("link MB/step", ">12", lambda row: "-" if row.get("link_bytes_per_step") is None
+             else f"{row['link_bytes_per_step'] / 1e6:#.3g}"),
+            ("bytes vs fp32", ">13", lambda row: "-" if row.get("bytes_vs_fp32") is None
+             else f"{row['bytes_vs_fp32']:#.3g}"),
+        ]
         lines = format_table([
             ("world", ">5", lambda row: row["world_size"]),
             ("hook", "<11", lambda row: row["hook"]),
@@ -342,8 +453,10 @@ class Train(Mode):
             # The floor, none, is not checked: no |diff| and no tolerance.
             ("max |diff|", ">10",
              lambda row: f"{row['max_abs_diff']:.2e}" if "max_abs_diff" in row else ""),
-            ("tolerance", ">9",
-             lambda row: f"{row['tolerance']:.2e}" if "max_abs_diff" in row else ""),
+            # PowerSGD's |diff| has no tolerance: it is not a rounding of the gradients.
+            ("tolerance", ">9", lambda row: "" if "max_abs_diff" not in row else
+             "-" if row["tolerance"] is None else f"{row['tolerance']:.2e}"),
+            *(link if any("link_bytes_per_step" in row for row in rows) else []),
             ("path", "", lambda row: row["describe"] + (
                 f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
                 if "zero_copy_calls" in row else "")),
@@ -360,6 +473,10 @@ class Train(Mode):
             lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
         if any("link" in row for row in rows):
             lines.append(tcp_line(rows))
+        if any("link_bytes_per_step" in row for row in rows):
+            lines.append("link MB/step: what a node sent per timed step (its interface's tx "
+                         "counter, headers and ACKs included), mean over the steps and the "
+                         "nodes; bytes vs fp32: / the ddpx hook's")
         return lines
 
     def plot(self, rows: list[dict], path: Path) -> None:

@@ -108,7 +108,7 @@ def run_bench(tmp_path: Path, *args: str, world_sizes: str = "2") -> tuple[dict,
     assert document["machine"]["threads_per_rank"] == (int(threads) if threads.isdigit()
                                                        else threads)
     assert document["failures"] == []
-    assert ("timing" in document) != ("errors" in document)
+    assert len({"timing", "errors", "loss"} & set(document)) == 1
     if ddpx_built():
         assert "unavailable" not in document["machine"]["ddpx"]
     return document, done.stdout
@@ -534,6 +534,31 @@ def test_allreduce_on_a_shaped_link_reports_its_bound_and_the_cost_model(tmp_pat
                                             text=True).stdout.split() if ns.startswith("ddpx-")]
 
 
+@pytest.mark.slow  # 20 s
+@pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
+                    reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
+def test_train_on_a_shaped_link_counts_what_each_hook_sends(tmp_path):
+    options = "--params 400K --steps 2 --warmup 2 --batch_size 4 --link 1gbit".split()
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks",
+                                 "default,powersgd,ddpx,ddpx-bf16,none", world_sizes="4")
+
+    rows = {row["hook"]: row for row in document["rows"]}
+    assert list(rows) == ["default", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-bf16", "none"]
+    gradients = 4 * rows["ddpx"]["params"]
+    fp32 = rows["ddpx"]["link_bytes_per_step"]
+    for row in rows.values():
+        assert row["bytes_vs_fp32"] == pytest.approx(row["link_bytes_per_step"] / fp32)
+    # ddpx: each node sends its float32 sum across once (and the packets' headers, the ACKs);
+    # bf16 half that; gloo's ring 2(N-1)/N of the gradients on each node's one edge across.
+    assert gradients <= fp32 <= 1.1 * gradients
+    assert rows["ddpx-bf16"]["bytes_vs_fp32"] == pytest.approx(0.5, rel=0.05)
+    assert rows["default"]["bytes_vs_fp32"] == pytest.approx(1.5, rel=0.05)
+    assert (rows["powersgd-r1"]["link_bytes_per_step"] < rows["powersgd-r4"]["link_bytes_per_step"]
+            < 0.2 * gradients)
+    assert rows["none"]["link_bytes_per_step"] < 0.01 * gradients  # the barriers'
+    assert "link MB/step" in stdout and "bytes vs fp32" in stdout
+
+
 def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
     from ddpx_bench.collectives import bytes_across
 
@@ -639,12 +664,12 @@ def help_run() -> subprocess.CompletedProcess:
     return subprocess.run([*BENCH, "--help"], capture_output=True, text=True, timeout=60)
 
 
-def test_help_lists_the_five_modes(help_run):
+def test_help_lists_the_six_modes(help_run):
     done = help_run
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: ddpx-bench ")
-    assert "{allreduce,collectives,train,fsdp,accuracy}" in done.stdout
-    for mode in ("allreduce", "collectives", "train", "fsdp", "accuracy"):
+    assert "{allreduce,collectives,train,converge,fsdp,accuracy}" in done.stdout
+    for mode in ("allreduce", "collectives", "train", "converge", "fsdp", "accuracy"):
         assert f"ddpx-bench {mode} --json" in done.stdout  # the examples after the options
 
 
@@ -694,24 +719,37 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    hooks = ["default", "fp16", "ddpx", "ddpx-bf16", "backend", "backend-mem", "none"]
-    options = "--params 20K --steps 3 --warmup 1 --batch_size 4".split()
-    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(hooks))
+    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "backend",
+             "backend-mem", "none"]
+    hooks = [*typed[:3], "powersgd-r1", "powersgd-r4", *typed[4:]]
+    # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
+    # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
+    options = "--params 400K --steps 3 --warmup 1 --batch_size 4".split()
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(typed))
 
     rows = {row["hook"]: row for row in document["rows"]}
     check_measured(hooks, list(rows), document["left_out"])
-    assert {"default", "fp16", "none"} <= set(rows)
+    # torch's bf16 hook on gloo, which DDP refuses by the hook's name without NCCL.
+    assert {"default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "none"} <= set(rows)
+    assert list(rows) == [hook for hook in hooks if hook in rows]  # in the order typed
     for row in rows.values():
         assert row["world_size"] == 2
         check_times(row)
         assert row["x_vs_default"] == pytest.approx(rows["default"]["median_ms"] / row["median_ms"])
+        assert "link_bytes_per_step" not in row  # off the testbed
         if row["hook"] == "none":  # the floor: timed, not checked
             assert "ranks_identical" not in row and "max_abs_diff" not in row
             continue
         assert row["ranks_identical"]
+        if row["hook"].startswith("powersgd"):  # not a rounding: a |diff|, no tolerance
+            assert row["max_abs_diff"] > 0 and row["tolerance"] is None
+            continue
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
-    assert "x vs default" in stdout
+    if "ddpx-int8" in document["left_out"]:  # until ddpx has the compression
+        assert "compression='int8'" in document["left_out"]["ddpx-int8"]
+    assert "x vs default" in stdout and "link MB/step" not in stdout
+    assert re.search(r" powersgd-r1 .* - +torch powerSGD_hook, rank 1,", stdout), stdout
     if ddpx_backend_registered():
         # DDP's own all-reduce on ddpx's backend: its buckets in ordinary memory, none of its
         # all-reduces zero-copy; in ddpx's arena, some (the first on a new bucket maps it).
@@ -719,6 +757,48 @@ def test_train(tmp_path):
         mem = rows["backend-mem"]
         assert 0 < mem["zero_copy_calls"] <= mem["all_reduces"] == rows["backend"]["all_reduces"]
         assert re.search(r" backend-mem .* arena .* of \d+ all-reduces zero-copy", stdout), stdout
+
+
+def test_powersgd_stands_for_both_ranks_where_it_is_typed():
+    from ddpx_bench import cli
+
+    def hooks(mode: str, *argv: str) -> list[str]:
+        return cli.parse_args([mode, *argv]).comm_hooks
+
+    assert hooks("train", "--comm_hooks", "default,powersgd,none") == [
+        "default", "powersgd-r1", "powersgd-r4", "none"]
+    assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
+    assert hooks("converge") == ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx",
+                                 "ddpx-bf16", "ddpx-int8", "none"]
+    assert {"powersgd-r1", "powersgd-r4", "ddpx-int8"} <= set(hooks("train"))
+    with pytest.raises(SystemExit):
+        cli.parse_args(["train", "--comm_hooks", "powersgd-r2"])
+
+
+def test_converge(tmp_path):
+    typed = ["default", "bf16", "powersgd", "ddpx", "none"]
+    hooks = ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "none"]
+    document, stdout = run_bench(tmp_path, "converge", "--params", "50K", "--steps", "20",
+                                 "--comm_hooks", ",".join(typed))
+
+    assert "loss" in document
+    rows = {row["hook"]: row for row in document["rows"]}
+    check_measured(hooks, list(rows), document["left_out"])
+    assert {"default", "bf16", "powersgd-r1", "powersgd-r4", "none"} <= set(rows)
+    default = rows["default"]
+    assert default["final_loss"] < default["first_loss"]  # it learns
+    for row in rows.values():
+        assert row["world_size"] == 2 and row["steps"] == 20 and len(row["losses"]) == 20
+        # The same model on the same first batches: the same first loss, whatever the hook.
+        assert row["first_loss"] == row["losses"][0] == default["first_loss"]
+        assert row["final_loss"] == pytest.approx(statistics.mean(row["losses"][-10:]))
+        assert row["vs_default_pct"] == pytest.approx(
+            100 * (row["final_loss"] - default["final_loss"]) / default["final_loss"])
+        # Each rank of `none` steps with its own gradients, on its own data.
+        assert row["same_on_all_ranks"] is row["trains"] is (row["hook"] != "none")
+    assert default["vs_default_pct"] == 0
+    assert "final loss" in stdout and "vs default %" in stdout
+    assert re.search(r" none .* no +no communication.*: not a way to train", stdout), stdout
 
 
 @pytest.mark.slow

@@ -256,11 +256,11 @@ def _train_speeds_on_cpu(rank, world):
 
 
 def test_speed_report_trains_and_tabulates():
-    """The speed report's DDP part, on the CPU over gloo (where torch's bf16 hook is left out,
-    needing NCCL), and its tables, with made-up GPU numbers."""
+    """The speed report's DDP part, on the CPU over gloo (which sums torch's bf16 hook's
+    bfloat16 buckets too), and its tables, with made-up GPU numbers."""
     [(rows, left_out, failures)] = run_ranks(_train_speeds_on_cpu, 1)
-    assert [row["hook"] for row in rows] == ["default", "ddpx", "ddpx-bf16"]
-    assert list(left_out) == ["bf16"] and not failures, (left_out, failures)
+    assert [row["hook"] for row in rows] == ["default", "bf16", "ddpx", "ddpx-bf16"]
+    assert not left_out and not failures, (left_out, failures)
     assert all(row["within_tolerance"] and row["median_ms"] > 0 for row in rows), rows
     assert rows[0]["x_vs_default"] == 1.0
     rate = {"bytes": 2**30, "median_ms": 0.5, "gb_per_s": 2147.5, "x_copy": 1.0}
@@ -268,10 +268,11 @@ def test_speed_report_trains_and_tabulates():
         "cuda": True, "gpu": "a GPU", "capability": "9.0", "torch": "2.11.0", "torch_cuda": "13.0",
         "kernels": [{"kernel": "copy_ float32 (device to device)", **rate}],
         "all_reduce": [{"all_reduce": "ddpx.all_reduce float32", **rate}],
-        "train": rows, "train_left_out": left_out, "failures": ["ddpx: made up"]})
+        "train": rows, "train_left_out": {"fp16": "made up"}, "failures": ["ddpx: made up"]})
     lines = text.splitlines()
     assert lines[0] == "speed on a GPU (sm_90), torch 2.11.0, CUDA 13.0", text
     assert any(line.startswith("copy_ float32 (device to device)") and "2148" in line
                for line in lines), text
-    assert sum(line.startswith(("default ", "ddpx ", "ddpx-bf16 ")) for line in lines) == 3, text
-    assert lines[-2].startswith("left out bf16: ") and lines[-1] == "FAILED: ddpx: made up", text
+    assert sum(line.startswith(("default ", "bf16 ", "ddpx ", "ddpx-bf16 "))
+               for line in lines) == 4, text
+    assert lines[-2] == "left out fp16: made up" and lines[-1] == "FAILED: ddpx: made up", text
