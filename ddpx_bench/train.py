@@ -41,7 +41,8 @@ Parameters that differ across ranks, or from default's beyond the tolerance, mak
 with status 1 after the table. On the testbed (--link), each node's local rank 0 reads its
 interface's byte counters around each step (from the barrier before it to one after it): link
 MB/step is what a node sent per timed step, the mean over the steps and the nodes, and bytes vs
-fp32 that over the `ddpx` hook's.
+fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its step went
+beyond `none`'s: its engine's thread on node work (sums, hand-outs) and waiting for the link.
 """
 
 import copy
@@ -101,12 +102,52 @@ def bench_train(args) -> dict:
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
     models = hooked_models(initial, args.comm_hooks, left_out)
     traffic = link_traffic()
+    engine_times = EngineTimes(models)
     samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
-                          args.steps, traffic)
+                          args.steps, traffic, engine_times)
     rows = _train_rows(initial, models, samples, args, failures)
     if traffic is not None:
         _add_link_bytes(rows, traffic, args.warmup)
+    engine_times.add_to(rows, args.warmup)
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
+
+
+class EngineTimes:
+    """Where each step of a ddpx hook across nodes went on its engine's thread (the engine's
+    cross_node_times, read around the step): its node work (sums, hand-outs, checks) and its waits
+    for a chunk to come back over the link, beside the backward on the other threads."""
+
+    def __init__(self, models: dict):
+        self.engines = {}
+        for name, (model, _) in models.items():
+            if not name.startswith("ddpx"):
+                continue
+            engine = ddpx.engine.engine_for(model.process_group)
+            if isinstance(engine, extension().ShmEngine) and engine.nodes > 1:
+                self.engines[name] = engine
+        self.seconds = {name: [] for name in self.engines}
+
+    def timing(self, name: str, step):
+        """`step` (of hook `name`), its engine's times read around each call where it has one."""
+        if name not in self.engines:
+            return step
+
+        def timed(index: int) -> None:
+            before = self.engines[name].cross_node_times
+            step(index)
+            after = self.engines[name].cross_node_times
+            self.seconds[name].append([after[k] - before[k] for k in ("node_s", "link_wait_s")])
+        return timed
+
+    def add_to(self, rows: list[dict], warmup: int) -> None:
+        """engine_node_ms, engine_link_wait_ms: the median over the timed steps of the slowest
+        rank's."""
+        for row in rows:
+            if row["hook"] not in self.engines:
+                continue
+            mine = torch.tensor(self.seconds[row["hook"]][warmup:]).median(0).values * 1e3
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            row["engine_node_ms"], row["engine_link_wait_ms"] = mine.tolist()
 
 
 def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
@@ -197,15 +238,17 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
-                steps: int, traffic=None) -> dict:
+                steps: int, traffic=None, engine_times: EngineTimes | None = None) -> dict:
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
     makes them the slowest rank's); `traffic` (common.link_traffic's) counts each step's bytes
-    on the link. tools/gpu_report.py uses it too."""
+    on the link, `engine_times` where a ddpx engine's time went. tools/gpu_report.py uses it too."""
     steps_of = {
         name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
         for name, (model, _) in models.items()
     }
+    if engine_times is not None:
+        steps_of = {name: engine_times.timing(name, step) for name, step in steps_of.items()}
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
                              batches[0].device, traffic)
     return {name: seconds[warmup:] for name, seconds in samples.items()}
@@ -473,6 +516,14 @@ class Train(Mode):
             lines.append(f"{rows[0]['world_size']} ranks on {nodes} nodes")
         if any("link" in row for row in rows):
             lines.append(tcp_line(rows))
+        floor = next((row["median_ms"] for row in rows if row["hook"] == "none"), None)
+        for row in rows:
+            if "engine_node_ms" in row:
+                over = f"{row['median_ms'] - floor:.0f} ms over none's, " if floor else ""
+                lines.append(
+                    f"{row['hook']}: {over}its engine's thread {row['engine_node_ms']:.0f} ms "
+                    f"on node work, {row['engine_link_wait_ms']:.0f} ms waiting for the link "
+                    f"(median step, slowest rank)")
         if any("link_bytes_per_step" in row for row in rows):
             lines.append("link MB/step: what a node sent per timed step (its interface's tx "
                          "counter, headers and ACKs included), mean over the steps and the "
