@@ -109,7 +109,28 @@ def bench_train(args) -> dict:
     if traffic is not None:
         _add_link_bytes(rows, traffic, args.warmup)
     engine_times.add_to(rows, args.warmup)
-    return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
+    notes = []
+    if args.trace:
+        trace(models, _train_batches(initial, args), args.trace)
+        notes.append(f"trace: one more step of each hook, rank 0's, in {args.trace}")
+    return {"rows": rows, "left_out": left_out, "notes": notes, "failures": failures}
+
+
+def trace(models: dict, batches: list[torch.Tensor], path: str) -> None:
+    """One more step of each model (after the checks: learning rate 0, nothing moves) under
+    torch.profiler on every rank, rank 0's written as a Chrome trace to `path`: ddpx's ranges
+    (ddpx::fused_hook on the autograd thread, ddpx::all_reduce (engine) and ddpx::waits for the
+    link on its engine's) beside the backward's ops, each step under 'ddpx-bench step: <hook>'."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for name, (model, _) in models.items():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            with record_function(f"ddpx-bench step: {name}"):
+                _step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, 0)
+    if dist.get_rank() == 0:
+        profiler.export_chrome_trace(path)
 
 
 class EngineTimes:
@@ -468,6 +489,9 @@ class Train(Mode):
         parser.add_argument("--warmup", type=int, default=2,
                             help="untimed steps per hook (PowerSGD compresses from the third)")
         parser.add_argument("--lr", type=float, default=0.01)
+        parser.add_argument("--trace", metavar="PATH",
+                            help="after the run, profile one more step of each hook and write "
+                                 "rank 0's Chrome trace (chrome://tracing, Perfetto) here")
         node_options(parser)
 
     def run(self, args):
