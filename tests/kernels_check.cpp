@@ -2,7 +2,8 @@
 // and "avx2" where built and supported) against a scalar reference written here, without torch,
 // so that the kernels can be checked where torch does not run (aarch64 under qemu).
 //
-//     g++ -std=c++17 -O3 -Wall -Icsrc tests/kernels_check.cpp csrc/kernels*.cpp -o kernels_check
+//     g++ -std=c++17 -O3 -Wall -ffp-contract=off -Icsrc/kernels tests/kernels_check.cpp
+//         csrc/kernels/*.cpp -o kernels_check
 //
 // Prints one line per check and ends with "N passed, M failed" (a case is one kernel call);
 // exits 1 if any case failed. Inputs are random from fixed seeds.
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quantize.h"
 
 using ddpx::DType;
 using ddpx::Kernels;
@@ -363,6 +365,85 @@ void check_copy(const Kernels& k) {
   }
 }
 
+// Block-scaled int8 (quantize.h) against the rounding written plainly: per block of 256, the
+// scale is the largest magnitude / 127, each value becomes nearbyint(v * (127 / largest)), and
+// what that lost is kept; a block with a NaN or an infinity travels as NaN, its residual zeroed.
+// Then the dequantized sum of two such buffers, in order.
+void check_quantize() {
+  Tally& t = check("int8 quantize, dequantize-sum");
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal;
+  for (int64_t n : {0, 1, 255, 256, 257, 1000, 4097}) {
+    for (int special = 0; special < 3; ++special) {
+      const size_t count = static_cast<size_t>(n);
+      std::vector<float> x(count), residual(count), want_residual(count);
+      for (int64_t i = 0; i < n; ++i) {
+        x[size_t(i)] = normal(rng) * float(1 + i % 7);
+        residual[size_t(i)] = normal(rng) * 0.01f;
+      }
+      if (n > 300 && special == 1) x[300] = std::numeric_limits<float>::quiet_NaN();
+      if (n > 300 && special == 2) x[3] = std::numeric_limits<float>::infinity();
+      // A block of residuals only (a dead unit's), and one so small that 127 / largest overflows.
+      if (special == 2 && n > 600) std::fill(x.begin() + 512, x.begin() + 768, 0.0f);
+      if (special == 1 && n > 600) {
+        for (int64_t i = 512; i < 768; ++i) x[size_t(i)] = residual[size_t(i)] = 1e-39f;
+      }
+      const ddpx::Int8Layout layout(n);
+      std::vector<float> want_values(count);
+      std::vector<float> want_scales(static_cast<size_t>(layout.blocks));
+      for (int64_t b = 0; b < layout.blocks; ++b) {
+        const int64_t lo = b * ddpx::kInt8Block, hi = std::min(n, lo + ddpx::kInt8Block);
+        float largest = 0.0f;
+        bool finite = true;
+        for (int64_t i = lo; i < hi; ++i) {
+          const float v = x[size_t(i)] + residual[size_t(i)];
+          finite = finite && std::isfinite(v);
+          largest = std::max(largest, std::fabs(v));
+        }
+        const bool tiny = largest < 0x1p-100f;  // travels as zeros, kept whole
+        const float scale = tiny ? 0.0f : largest / 127.0f;
+        want_scales[size_t(b)] = finite ? scale : NAN;
+        const float inverse = tiny ? 0.0f : 127.0f / largest;
+        for (int64_t i = lo; i < hi; ++i) {
+          const float v = x[size_t(i)] + residual[size_t(i)];
+          // + 0: an int8 holds no negative zero.
+          const float q = finite ? std::nearbyint(v * inverse) + 0.0f : 0.0f;
+          want_values[size_t(i)] = q;
+          want_residual[size_t(i)] = finite ? v - q * scale : 0.0f;
+        }
+      }
+      std::vector<unsigned char> wire(layout.bytes() + 1, 0xAB);
+      ddpx::quantize_int8(wire.data(), layout, x.data(), residual.data(), n);
+      bool ok = wire.back() == 0xAB;
+      for (int64_t b = 0; b < layout.blocks; ++b) {
+        float scale;
+        std::memcpy(&scale, wire.data() + 4 * b, 4);
+        const float want = want_scales[size_t(b)];
+        ok = ok && (std::isnan(want) ? std::isnan(scale) : scale == want);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const auto q = static_cast<int8_t>(wire[layout.values_offset() + size_t(i)]);
+        ok =
+            ok && float(q) == want_values[size_t(i)] &&
+            bit_cast<uint32_t>(residual[size_t(i)]) == bit_cast<uint32_t>(want_residual[size_t(i)]);
+      }
+      std::vector<float> sum(count);
+      const void* both[2] = {wire.data(), wire.data()};
+      ddpx::dequantize_sum_int8(sum.data(), both, 2, layout, n);
+      for (int64_t i = 0; i < n; ++i) {
+        float scale;
+        std::memcpy(&scale, wire.data() + 4 * (i / ddpx::kInt8Block), 4);
+        const float one = want_values[size_t(i)] * scale;
+        const float want = one + one;
+        ok = ok &&
+             (std::isnan(want) ? std::isnan(sum[size_t(i)])
+                               : bit_cast<uint32_t>(sum[size_t(i)]) == bit_cast<uint32_t>(want));
+      }
+      record(t, ok, "n=" + std::to_string(n) + " case " + std::to_string(special));
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -385,6 +466,7 @@ int main() {
   record(api, !impls.empty() && std::strcmp(impls[0]->isa, "portable") == 0, "no portable kernels");
   const bool widest = !impls.empty() && std::strcmp(ddpx::kernels().isa, impls.back()->isa) == 0;
   record(api, widest, "kernels() is not the widest implementation available");
+  check_quantize();
   for (const Kernels* k : impls) {
     check_casts(*k);
     check_convert(*k);

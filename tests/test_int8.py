@@ -21,6 +21,7 @@ import ddpx
 from distributed import run_nodes, run_ranks, shm_segments
 
 BLOCK = 256  # kInt8Block, csrc/kernels/quantize.h
+SMALLEST = 2.0**-100  # kInt8Smallest: a block below it travels as zeros
 
 
 def dequantized(v: torch.Tensor) -> torch.Tensor:
@@ -28,11 +29,13 @@ def dequantized(v: torch.Tensor) -> torch.Tensor:
     same float32 operations (a division, a multiply, a round to nearest even, a multiply), so
     the same bits."""
     out = torch.empty_like(v)
+    zero = torch.zeros((), dtype=torch.float32)
     for lo in range(0, v.numel(), BLOCK):
         block = v[lo:lo + BLOCK]
         largest = block.abs().max()
-        inverse = 127 / largest if largest > 0 else torch.zeros((), dtype=torch.float32)
-        out[lo:lo + BLOCK] = torch.round(block * inverse) * (largest / 127)
+        tiny = largest < SMALLEST
+        inverse, scale = (zero, zero) if tiny else (127 / largest, largest / 127)
+        out[lo:lo + BLOCK] = torch.round(block * inverse) * scale
     return out
 
 
@@ -97,6 +100,17 @@ def int8_job(tmp):
     steps = gradients(hooked, 40)
     out["left_in_flight"] = state.engine.cross_node_times["calls_left_in_flight"] - left_before
     out["left_by_all_reduce"] = left_before
+    # A gradient that stops (a unit that dies): its residual alone is rounded again and again,
+    # 254x smaller each step, until it is too small for a scale; it must stay finite.
+    torch.manual_seed(1)
+    dying = DDP(torch.nn.Linear(64, 64), bucket_cap_mb=0.02)
+    ddpx.register_fused_hook(dying, compression="int8")
+    finite = []
+    for step in range(40):
+        dying.zero_grad()
+        (dying(x).square().mean() * (1.0 if step == 0 else 0.0)).backward()
+        finite.append(all(bool(p.grad.isfinite().all()) for p in dying.parameters()))
+    out["dying_finite"] = all(finite)
     out["buckets"] = len(state.state_dict()["buckets"])
     # Gradient accumulation: under no_sync the hook is not called and the residuals wait.
     before = [b["residual"].clone() for b in state.state_dict()["buckets"]]
@@ -202,6 +216,7 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
         # one follows them onto the link); a plain all-reduce returns with its sum. DDP's first
         # step has one bucket, of every parameter: the 39 after have the saved buckets.
         assert result["no_sync_kept"] and result["residual_nonzero"], result
+        assert result["dying_finite"], "a stopped gradient's residual turned into NaN"
         assert result["left_by_all_reduce"] == 0
         assert result["left_in_flight"] == 39 * (result["buckets"] - 1) > 0, result
     exact = torch.tensor(results[0]["exact"])

@@ -102,16 +102,18 @@ fi
 rm -r "$tmp/torch"
 
 # 2. and 3. The kernels' test program, for aarch64 under qemu and for this machine.
-kernel_sources=(tests/kernels_check.cpp csrc/kernels/kernels.cpp csrc/kernels/kernels_avx2.cpp)
+kernel_sources=(tests/kernels_check.cpp csrc/kernels/kernels.cpp csrc/kernels/kernels_avx2.cpp
+                csrc/kernels/quantize.cpp)
 start=$SECONDS
-"$CXX_ARM" -std=c++17 -O3 -Wall -static -Icsrc/kernels "${kernel_sources[@]}" -o "$tmp/kernels_check_arm"
+"$CXX_ARM" -std=c++17 -O3 -Wall -ffp-contract=off -static -Icsrc/kernels "${kernel_sources[@]}" \
+  -o "$tmp/kernels_check_arm"
 echo "arm_check: built kernels_check for aarch64 ($(seconds "$start")); under qemu-aarch64:"
 start=$SECONDS
 qemu-aarch64 "$tmp/kernels_check_arm" || { echo "arm_check: FAILED on aarch64" >&2; exit 1; }
 echo "arm_check: ran it under qemu-aarch64 in $(seconds "$start")"
 
 start=$SECONDS
-g++ -std=c++17 -O3 -Wall -Icsrc/kernels "${kernel_sources[@]}" -o "$tmp/kernels_check"
+g++ -std=c++17 -O3 -Wall -ffp-contract=off -Icsrc/kernels "${kernel_sources[@]}" -o "$tmp/kernels_check"
 "$tmp/kernels_check" || { echo "arm_check: FAILED on $(uname -m)" >&2; exit 1; }
 echo "arm_check: built and ran it on $(uname -m) in $(seconds "$start")"
 echo "arm_check: passed"

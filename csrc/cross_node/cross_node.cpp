@@ -29,7 +29,9 @@ namespace {
 // the same bytes in one round instead of two, and each node sums both chunks in node order and
 // rounds once (faster than dealing and gathering; uncompressed, gloo's all-reduce stays faster
 // than that all-gather: docs/design.md, "Across nodes"). Every rank holding the chunk ends with
-// the same bits, and the bytes on the network are those of the wire dtype.
+// the same bits, and the bytes on the network are those of the wire dtype. int8 crosses the same
+// way, block-scaled (quantize.h): each rank rounds its chunk (and, among more than two nodes, the
+// summed piece it owns) with error feedback, and every sum is of dequantized float32 in node order.
 //
 // Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
 // starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt

@@ -64,8 +64,9 @@ void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* r
       if (residual != nullptr) std::fill(residual + lo, residual + lo + len, 0.0f);
       continue;
     }
-    const float scale = largest / 127.0f;
-    const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+    const bool tiny = largest < kInt8Smallest;
+    const float scale = tiny ? 0.0f : largest / 127.0f;
+    const float inverse = tiny ? 0.0f : 127.0f / largest;
     scales[b] = scale;
     for (int64_t i = 0; i < len; ++i) {
       const float rounded = round_even(v[i] * inverse);

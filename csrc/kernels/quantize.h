@@ -9,6 +9,10 @@
 namespace ddpx {
 
 constexpr int64_t kInt8Block = 256;
+// A block whose largest magnitude is below this travels as zeros and keeps its values whole in the
+// residual: 127 / largest would overflow further down. Error feedback shrinks a residual that gets
+// no new gradient (a dead unit's) by 254x a step, and would reach that in about 15 steps.
+constexpr float kInt8Smallest = 0x1p-100f;
 
 // Where n values lie in their wire bytes: the blocks' scales first, then the bytes.
 struct Int8Layout {
@@ -22,7 +26,8 @@ struct Int8Layout {
 // zeroed), rounding to nearest even, and leaves in residual what the rounding lost: residual =
 // (x + residual) - its dequantized value. A block whose largest magnitude is not finite travels
 // as such (its values dequantize to NaN) and its residual is reset to zero, so one overflowing
-// step does not poison the next. residual may be null (no error feedback).
+// step does not poison the next; one below kInt8Smallest travels as zeros. residual may be null
+// (no error feedback).
 void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* residual,
                    int64_t count);
 
