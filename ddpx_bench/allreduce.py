@@ -497,10 +497,10 @@ def add_model(rows: list[dict]) -> None:
 
 
 def _wire_bytes(engine: str) -> float:
-    """Bytes per element an engine sends: int8's byte and a float32 scale per 256 values, 2 with
+    """Bytes per element an engine sends: int8's byte and a float32 scale per 64 values, 2 with
     the 16-bit compressions, else float32's 4."""
     wire = WIRE.get(engine)
-    return 1 + 4 / 256 if wire == "int8" else 2 if wire else 4
+    return 1 + 4 / 64 if wire == "int8" else 2 if wire else 4
 
 
 def _megabytes(row: dict) -> str:

@@ -20,7 +20,7 @@ import ddpx
 
 from distributed import run_nodes, run_ranks, shm_segments
 
-BLOCK = 256  # kInt8Block, csrc/kernels/quantize.h
+BLOCK = 64  # kInt8Block, csrc/kernels/quantize.h
 SMALLEST = 2.0**-100  # kInt8Smallest: a block below it travels as zeros
 
 
@@ -204,7 +204,7 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
         expected = reference_sum(n)
         for rank, result in enumerate(results):
             assert torch.equal(torch.tensor(result[f"sum-{n}"]), expected), (n, rank)
-    # A quarter of float32's bytes, and a float32 scale per 256 values.
+    # A quarter of float32's bytes, and a float32 scale per 64 values.
     for node in (results[:2], results[2:]):
         fp32 = sum(r["bytes-None"] for r in node)
         int8 = sum(r["bytes-torch.int8"] for r in node)

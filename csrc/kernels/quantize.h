@@ -1,6 +1,7 @@
 // Block-scaled int8, what compression="int8" puts on the link between nodes: each block of
 // kInt8Block values travels as one float32 scale (the block's largest magnitude / 127) and a
-// signed byte per value, about a quarter of float32's bytes.
+// signed byte per value, 0.266 of float32's bytes. Blocks of 64, not 256: Adam magnifies the error
+// in a block's small values, and 256 ended a converge run 2% off float32's loss (docs/design.md).
 #pragma once
 
 #include <cstddef>
@@ -8,7 +9,7 @@
 
 namespace ddpx {
 
-constexpr int64_t kInt8Block = 256;
+constexpr int64_t kInt8Block = 64;
 // A block whose largest magnitude is below this travels as zeros and keeps its values whole in the
 // residual: 127 / largest would overflow further down. Error feedback shrinks a residual that gets
 // no new gradient (a dead unit's) by 254x a step, and would reach that in about 15 steps.
