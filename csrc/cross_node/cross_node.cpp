@@ -122,17 +122,8 @@ class ProcessGroupCrossNode final : public CrossNode {
       pending_.push_back(std::move(chunk));
       return;
     }
-    chunk->received = at::empty({bytes}, at::kByte);
-    chunk->mine = at::empty({chunk->piece * wire_size}, at::kByte);
-    chunk->gathering_group = groups_[lane + 1];
-    chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
-    chunk->gathering = chunk->gathering_started.get_future();
-    {
-      std::lock_guard<std::mutex> lock(link_->mu);
-      link_->dealt.push_back(chunk);
-    }
-    link_->cv.notify_all();
-    pending_.push_back(std::move(chunk));
+    const size_t piece_bytes = size_t(chunk->piece * wire_size);
+    deal(std::move(chunk), lane, piece_bytes);
   }
 
   // Between two nodes each node's chunk crosses whole and both nodes sum the two in node order;
@@ -166,17 +157,7 @@ class ProcessGroupCrossNode final : public CrossNode {
                     layout, data.get() + lo, residual ? residual.get() + lo : nullptr,
                     std::min(chunk->piece, n - lo));
     }
-    chunk->received = bytes_like(chunk->dealt.nbytes());
-    chunk->mine = bytes_like(layout.bytes());
-    chunk->gathering_group = groups_[lane + 1];
-    chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
-    chunk->gathering = chunk->gathering_started.get_future();
-    {
-      std::lock_guard<std::mutex> lock(link_->mu);
-      link_->dealt.push_back(chunk);
-    }
-    link_->cv.notify_all();
-    pending_.push_back(std::move(chunk));
+    deal(std::move(chunk), lane, layout.bytes());
   }
 
   // Trades go through buffers of their own, which a trade that a failure abandons keeps.
@@ -298,6 +279,23 @@ class ProcessGroupCrossNode final : public CrossNode {
     std::chrono::milliseconds timeout{};
     std::shared_ptr<AbortWatch> watch;
   };
+
+  // Among more than two nodes: deals the chunk's pieces (its `dealt`, one per node) over the
+  // lane's first group, and hands it to the link thread, which sums this node's piece of every
+  // node's into `mine` (piece_bytes) and gathers them back into `dealt` over the second.
+  void deal(std::shared_ptr<Chunk> chunk, size_t lane, size_t piece_bytes) {
+    chunk->received = bytes_like(chunk->dealt.nbytes());
+    chunk->mine = bytes_like(piece_bytes);
+    chunk->gathering_group = groups_[lane + 1];
+    chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
+    chunk->gathering = chunk->gathering_started.get_future();
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->dealt.push_back(chunk);
+    }
+    link_->cv.notify_all();
+    pending_.push_back(std::move(chunk));
+  }
 
   // Sums each dealt chunk's pieces as they arrive, in chunk order, and starts gathering them.
   static void link_loop(std::shared_ptr<Link> link) {
