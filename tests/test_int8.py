@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddpx
-
 from distributed import run_nodes, run_ranks, shm_segments
 
 BLOCK = 64  # kInt8Block, csrc/kernels/quantize.h
@@ -275,11 +273,6 @@ def test_int8_within_one_node_is_float32_and_refused_where_no_feedback_is_kept()
         assert "compression='int8' keeps error feedback" in errors["python hook"]
         assert compression == '"torch.int8"'
 
-
-def test_int8_is_a_known_compression_and_others_are_refused():
-    assert ddpx.engine.wire_dtype("int8") is torch.int8
-    with pytest.raises(ValueError, match="'int8'"):
-        ddpx.engine.wire_dtype("int4")
 
 
 @pytest.mark.slow
