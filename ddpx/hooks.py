@@ -106,8 +106,6 @@ class FusedHookState:
         engine = self.engine
         if not isinstance(engine, extension().ShmEngine):
             return "the buckets go through the process group"
-        if engine.nodes > 1:
-            return "the group spans nodes, whose buckets cross through the process group"
         arena = extension().arena_usage()
         if not arena["usable"]:
             return arena["why_not"]

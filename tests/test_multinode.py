@@ -51,6 +51,7 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
         out[hook], out["engine"] = train_small_ddp(
             rank, lambda model: shape(ddpx.register_fused_hook(model, compression=compression)))
     engine = ddpx.FusedHookState().engine
+    out["hook-zero-copy"] = engine.zero_copy_calls
     for compression in (None, "bf16", "fp16"):
         big = torch.full((300_000,), float(rank + 1))
         before = engine.cross_node_bytes
@@ -81,6 +82,21 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
         t = torch.full((300_000,), float(rank + 1))
         ddpx.all_reduce(t, group=group, compression="bf16" if name == "pair" else None)
         out[name] = [t.min().item(), t.max().item(), shape(ddpx.FusedHookState(group))]
+    # Tensors in the arenas: read and written where they lie within each node, whichever ranks'
+    # lie there; the sums must be the bits of the slots' path (placement "none").
+    from ddpx._ext import extension
+    placements = {"all": {0, 1, 2, 3}, "node0": {0, 1}, "rank0": {0}, "none": set()}
+    for placement, ranks in placements.items():
+        for n in (1, 3000, 2_500_000):
+            for wire in (None, torch.int8):
+                values = torch.randn(n, generator=torch.Generator().manual_seed(7 + rank))
+                t = extension().arena_empty(n, torch.float32) if rank in ranks else torch.empty(n)
+                t.copy_(values)
+                before = engine.zero_copy_calls
+                engine.run(t, 0.25, wire, "arena sum")
+                out[f"arena-{placement}-{n}-{wire}"] = [t.sum(dtype=torch.float64).item(),
+                                                        t[::997].tolist()]
+                out[f"arena-{placement}-{n}-{wire}-zero-copy"] = engine.zero_copy_calls - before
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     gc.collect()
@@ -124,6 +140,26 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
     for hook in ("ddpx", "ddpx-bf16"):
         assert all(result[hook] == results[0][hook] for result in results), \
             f"{hook}: ranks hold different parameters"
+    # The hook moved DDP's buckets into the arenas, and they crossed nodes from there.
+    assert all(r["hook-zero-copy"] > 0 for r in results), [r["hook-zero-copy"] for r in results]
+    for n in (1, 3000, 2_500_000):
+        exact = sum(torch.randn(n, generator=torch.Generator().manual_seed(7 + r)).double()
+                    for r in range(4)) * 0.25
+        for wire in ("None", "torch.int8"):
+            case = f"{n}-{wire}"
+            slots = results[0][f"arena-none-{case}"]
+            for rank, result in enumerate(results):
+                for placement in ("all", "node0", "rank0"):
+                    assert result[f"arena-{placement}-{case}"] == slots, (placement, case, rank)
+                zero_copy = result[f"arena-all-{case}-zero-copy"]
+                assert zero_copy == 1, (case, rank, zero_copy)
+                if rank < 2:  # node 0 read its ranks' tensors in place, node 1 through its slots
+                    assert result[f"arena-node0-{case}-zero-copy"] == 1, (case, rank)
+                assert result[f"arena-rank0-{case}-zero-copy"] == 0, (case, rank)
+            total = slots[0]
+            # float32 sums of 4 values (int8: 2 roundings of 2^-8 of a block's largest value).
+            tolerance = 1e-5 if wire == "None" else 2e-2
+            assert abs(total - exact.sum().item()) <= tolerance * exact.abs().sum().item(), case
 
     # Each node sends its whole float32 sum across once (half of it per rank, as a two-node
     # all-reduce's 2(N-1)/N says); compressed, the same in 2-byte elements.

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "../cross_node/cross_node.h"
@@ -60,6 +61,9 @@ struct AllreduceCall {
   Write out_write;
   const std::string& what;
   const Int8Across* int8;  // compression="int8", or null
+  // Across nodes, where the call went Direct: every rank's tensor, read and written where it
+  // lies; null where the blocks go through the slots.
+  const PeerData* peers = nullptr;
 };
 
 // Puts block b into slot, in the wire dtype (less this rank's own slice, where read in place).
@@ -86,24 +90,37 @@ uint64_t arrive(const AllreduceCall& call, int64_t b, uint64_t carried) {
 }
 
 // The call's first step (opening.h), with block 0 in this rank's slot where the slots carry it.
+// Across nodes a compressed call always goes through the slots: its node sums are of the
+// converted values, which no rank's tensor holds.
 Opening open_allreduce(AllreduceCall& call, const OpenRule& rule) {
   const Blocks& x = call.blocks;
-  const void* data = call.comm.spans_nodes() ? nullptr : x.data;
+  const void* data = call.comm.spans_nodes() && x.wire != x.dtype ? nullptr : x.data;
   return open_call(
       call.comm, call.meta, data, size_t(x.numel) * x.data_size, rule,
       [&](char* slot) { fill_block(call, 0, slot); }, call.what);
 }
 
 // Sums this rank's slice [lo, hi) of block b over the ranks into out, in the accumulation dtype,
-// unscaled: copy_out scales it.
+// unscaled: copy_out scales it. From the slots at step, or from every rank's tensor where the
+// call reads them where they lie (call.peers; the same values, so the same bits).
 void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, int64_t hi,
                void* out) {
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
-  for (int r = 0; r < x.ranks; ++r) {
-    srcs[r] = call.comm.input_slot(r, step) + size_t(lo) * x.wire_size;
+  if (call.peers) {
+    const size_t bytes = size_t(hi - lo) * x.data_size;
+    std::vector<char>& room = call.comm.workers().scratch(0);
+    room.resize(size_t(x.ranks) * bytes);
+    for (int r = 0; r < x.ranks; ++r) {
+      srcs[r] = call.peers->view(r, size_t(x.at(b) + size_t(lo) * x.data_size - x.data), bytes,
+                                 room.data() + size_t(r) * bytes);
+    }
+  } else {
+    for (int r = 0; r < x.ranks; ++r) {
+      srcs[r] = call.comm.input_slot(r, step) + size_t(lo) * x.wire_size;
+    }
+    if (call.own_slice_direct) srcs[x.me] = x.at(b) + size_t(lo) * x.data_size;
   }
-  if (call.own_slice_direct) srcs[x.me] = x.at(b) + size_t(lo) * x.data_size;
   kernels().reduce(out, x.acc, srcs, x.ranks, x.wire, hi - lo, 1.0, Write::Cached);
 }
 
@@ -214,27 +231,42 @@ double seconds_since(Clock::time_point start) {
 }
 
 // Handing out a chunk that crossed nodes: wait for it, then copy each block's slice into the
-// output slot and every rank's block out. Kept by value, as its call may have returned since.
+// output slot and every rank's block out; or, where the call went Direct, write each block's
+// slice into every rank's tensor where it lies, and at the call's last chunk wait until every
+// rank has written its slices. Kept by value, as its call may have returned since.
 InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> sums,
                   int64_t full_slice, int64_t first, int64_t end, int64_t elements) {
+  std::optional<PeerData> peers;
+  if (call.peers) peers = *call.peers;
   auto task = [&comm = call.comm, x = call.blocks, meta = call.meta, rule = call.rule,
-               wide = call.wide, out_write = call.out_write, what = call.what, sums, full_slice,
-               first, end, elements] {
+               wide = call.wide, out_write = call.out_write, what = call.what, peers, sums,
+               full_slice, first, end, elements] {
     if (elements > 0) {
       RECORD_FUNCTION("ddpx::waits for the link", std::vector<c10::IValue>());
       const auto waits = Clock::now();
       comm.across("all-reduce", what, [&] { comm.cross_node().finish_reduce(); });
       comm.add_across_times(0, seconds_since(waits));
     }
+    const Kernels& k = kernels();
     const AllreduceCall done{comm, x, meta, rule, wide, false, out_write, what, nullptr};
     for (int64_t b = first; b < end; ++b) {
-      const uint64_t step = comm.next_step();
       const auto [lo, hi] = x.slice(x.elements(b));
-      kernels().convert(comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc,
-                        sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size, x.acc,
-                        hi - lo, 1.0, Write::Cached);
+      const char* sum = sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
+      if (peers) {
+        char* mine = x.at(b) + size_t(lo) * x.data_size;
+        const size_t bytes = size_t(hi - lo) * x.data_size;
+        k.convert(mine, x.dtype, sum, x.acc, hi - lo, rule.sum_scale, Write::Cached);
+        for (int r = 0; r < x.ranks; ++r) {
+          if (r != x.me) peers->write(r, size_t(mine - x.data), mine, bytes);
+        }
+        continue;
+      }
+      const uint64_t step = comm.next_step();
+      k.convert(comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sum, x.acc, hi - lo, 1.0,
+                Write::Cached);
       copy_out(done, step, b);
     }
+    if (peers && end == x.n) comm.finish_reads(comm.next_step(), what);
   };
   return InFlight{std::move(task), nullptr};
 }
@@ -281,13 +313,14 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
     return slice_offset(x, full_slice, chunk_start(c + 1)) -
            slice_offset(x, full_slice, chunk_start(c));
   };
+  // The call's first step checks it within the node and starts its check with the other nodes;
+  // it carries the first block where the blocks go through the slots.
+  const Opening opening = open_allreduce(call, OpenRule{-1, false, call.wide});
+  if (opening.method == CopyMethod::Direct) call.peers = &opening.peers;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
     for (int64_t b = first; b < chunk_start(c + 1); ++b) {
-      // The first block goes with the call's first step, which checks it within the node and
-      // starts its check with the other nodes.
-      const uint64_t step = b == 0 ? open_allreduce(call, OpenRule{-1, false, call.wide}).carried
-                                   : arrive(call, b, 0);
+      const uint64_t step = call.peers ? 0 : arrive(call, b, opening.carried);
       const auto [lo, hi] = x.slice(x.elements(b));
       sum_slice(call, step, b, lo, hi, sums_at(b));
     }

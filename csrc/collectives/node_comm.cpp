@@ -219,7 +219,7 @@ void NodeComm::check_peers_agree(const CallMeta& mine, const std::string& what) 
 
 void NodeComm::first_step(uint64_t step, const CallMeta& mine, const std::string& what) {
   // Every rank probes its peers' memory at its first call, once all have attached.
-  if (!cross_node_ && channel_.size() > 1 && !memory_.probed()) memory_.probe();
+  if (channel_.size() > 1 && !memory_.probed()) memory_.probe();
   schedule_.agree(channel_.posted(0, step), channel_, memory_);
   if (!cross_node_) {
     check_peers_agree(mine, what);

@@ -9,7 +9,7 @@ namespace ddpx {
 
 const char* PeerData::view(int r, size_t offset, size_t bytes, char* room) const {
   if (at_[r] != nullptr) return at_[r] + offset;
-  memory_->read(r, room, channel_->posted(r, step_).address + offset, bytes, *what_);
+  memory_->read(r, room, address_[r] + offset, bytes, what_);
   return room;
 }
 
@@ -17,7 +17,7 @@ void PeerData::write(int r, size_t offset, const void* from, size_t bytes) const
   if (at_[r] != nullptr) {
     std::memcpy(at_[r] + offset, from, bytes);
   } else {
-    memory_->write(r, channel_->posted(r, step_).address + offset, from, bytes, *what_);
+    memory_->write(r, address_[r] + offset, from, bytes, what_);
   }
 }
 
@@ -26,10 +26,10 @@ Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes
                   const std::string& what) {
   ShmChannel& channel = comm.channel();
   // Valid only once this rank has found that it reaches every peer's memory (its probe, at its
-  // first call), so that what the ranks post decides alike on all; never across nodes.
+  // first call), so that what the ranks post decides alike on all.
   if (data != nullptr) {
     mine.address = reinterpret_cast<uint64_t>(data);
-    if (!comm.spans_nodes() && comm.peer_memory().reaches_peers() && bytes > 0) {
+    if (comm.peer_memory().reaches_peers() && bytes > 0) {
       mine.arena = Arena::process().find(data, bytes);
     }
   }
@@ -50,14 +50,14 @@ Opening open_call(NodeComm& comm, CallMeta& mine, const void* data, size_t bytes
       fill && !any_arena && !rule.unmapped_too ? step : 0,
       !any_arena,
       skew,
-      PeerData(channel, comm.peer_memory(), step, what)};
+      PeerData(comm.peer_memory(), what)};
   if (opening.method == CopyMethod::Slots) return opening;
   bool zero_copy = true;
   for (int r = 0; r < channel.size(); ++r) {
     const ArenaPlace& place = channel.posted(r, step).arena;
     char* at =
         r == channel.me() ? static_cast<char*>(const_cast<void*>(data)) : comm.map_peer(r, place);
-    opening.peers.map(r, at);
+    opening.peers.map(r, at, channel.posted(r, step).address);
     if (rule.root < 0 || r == rule.root) zero_copy = zero_copy && place.valid() && at != nullptr;
   }
   if (zero_copy) comm.count_zero_copy();

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "../node/shm_channel.h"
 #include "node_comm.h"
@@ -35,16 +36,18 @@ struct OpenRule {
   bool wide = false;
 };
 
-// Each rank's data as this rank reaches it, in a Direct call.
+// Each rank's data as this rank reaches it, in a Direct call. A copy outlives the call: an
+// all-reduce across nodes hands its chunks out after it returns (allreduce.cpp).
 class PeerData {
  public:
-  PeerData(const ShmChannel& channel, const PeerMemory& memory, uint64_t step,
-           const std::string& what)
-      : channel_(&channel), memory_(&memory), step_(step), what_(&what) {}
+  PeerData(const PeerMemory& memory, std::string what) : memory_(&memory), what_(std::move(what)) {}
   // Rank r's data mapped here (this rank's own: where it lies), or null where it is reached
-  // through the kernel.
+  // through the kernel, at address in its process.
   char* mapped(int r) const { return at_[r]; }
-  void map(int r, char* at) { at_[r] = at; }
+  void map(int r, char* at, uint64_t address) {
+    at_[r] = at;
+    address_[r] = address;
+  }
   // Bytes [offset, offset + bytes) of rank r's data: where they lie if mapped, otherwise read
   // into room.
   const char* view(int r, size_t offset, size_t bytes, char* room) const;
@@ -52,11 +55,10 @@ class PeerData {
   void write(int r, size_t offset, const void* from, size_t bytes) const;
 
  private:
-  const ShmChannel* channel_;
   const PeerMemory* memory_;
-  uint64_t step_;
-  const std::string* what_;  // the call's name, for errors; outlives the call
+  std::string what_;  // the call's name, for errors
   char* at_[kMaxLocalRanks] = {};
+  uint64_t address_[kMaxLocalRanks] = {};
 };
 
 struct Opening {

@@ -266,9 +266,7 @@ std::string ShmEngine::flight_record() const {
   return queue_->comm->channel().flight_record();
 }
 
-bool ShmEngine::serves_arena() const {
-  return queue_->comm && !cross_node_ && Arena::process().usable();
-}
+bool ShmEngine::serves_arena() const { return queue_->comm && Arena::process().usable(); }
 
 std::string ShmEngine::describe() const {
   if (!queue_->comm) return "ddpx shared-memory engine, shut down";
@@ -312,22 +310,20 @@ std::string ShmEngine::describe() const {
           << ")";
     }
   }
-  if (!cross_node_) {
-    Arena& arena = Arena::process();
-    const Arena::Usage use = arena.usage();
-    out << "; arena ";
-    if (!arena.usable()) {
-      out << "off (" << arena.why_not() << ")";
-    } else {
-      out << use.chunks << " chunk" << (use.chunks == 1 ? "" : "s") << ", " << (use.bytes >> 10)
-          << " KiB (" << (use.in_use >> 10) << " in use), " << comm.zero_copy_calls()
-          << " zero-copy all-reduces";
-      if (use.fell_back) out << ", some communication memory in ordinary memory";
-      const std::string unmapped = comm.unmapped_because();
-      if (!unmapped.empty()) {
-        out << ", a peer's chunk read through the kernel, as it could not be mapped (" << unmapped
-            << ")";
-      }
+  Arena& arena = Arena::process();
+  const Arena::Usage use = arena.usage();
+  out << "; arena ";
+  if (!arena.usable()) {
+    out << "off (" << arena.why_not() << ")";
+  } else {
+    out << use.chunks << " chunk" << (use.chunks == 1 ? "" : "s") << ", " << (use.bytes >> 10)
+        << " KiB (" << (use.in_use >> 10) << " in use), " << comm.zero_copy_calls()
+        << " zero-copy all-reduces";
+    if (use.fell_back) out << ", some communication memory in ordinary memory";
+    const std::string unmapped = comm.unmapped_because();
+    if (!unmapped.empty()) {
+      out << ", a peer's chunk read through the kernel, as it could not be mapped (" << unmapped
+          << ")";
     }
   }
   if (!numa_.empty()) out << "; " << numa_;
