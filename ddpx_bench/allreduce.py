@@ -23,7 +23,8 @@ tensors where they lie, copying nothing in or out; the check copies its random i
 sum out, and a call that the engine does not count as zero-copy, in the check or the timing, stops
 the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), `ddpx-int8` (the
 fused hook's compression="int8" all-reduce, as on a bucket's first step, with no residual yet: int8
-between nodes, float32 within one), the peers
+between nodes, float32 within one; of an arena tensor, as the hook's buckets lie, where the arena
+works), the peers
 `mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
 `deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
 inference_all_reduce, called directly; its first use compiles it, about a minute, into
@@ -39,8 +40,7 @@ up to 4 MiB; `ddpx-wide`, slices in 4 MiB steps; `ddpx-timed`, local rank 0 timi
 and one-shot per size as it runs. Engines
 that do not work here are left out with a note (the peers when not installed;
 `deepspeed` with --nodes, as its op spans one node only, while `gloo` and `mpi` reduce the
-simulated nodes as one machine; the fixed schedules with --nodes, which always split;
-`ddpx-arena` with --nodes, where every all-reduce copies through ddpx's buffers).
+simulated nodes as one machine; the fixed schedules with --nodes, which always split).
 MPI needs ranks that mpirun starts: when `mpi` runs, ddpx-bench starts each world size with
 `mpirun --oversubscribe --bind-to none -np W python -m ddpx_bench <the same arguments>` instead of
 torch.multiprocessing, and every engine runs in those ranks (so under a launcher `mpi` is left
@@ -97,6 +97,8 @@ from ddpx_bench.common import (
 from ddpx_bench.mode import Mode, choices_option, node_options, size_list, timing_options
 from ddpx_bench.report import (
     PER_CALL,
+    cpu_note,
+    format_cpu,
     format_ms,
     format_ratio,
     format_spread,
@@ -166,7 +168,7 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
         elif name == "copy":
             engines[name] = _CopyFloor()
         elif name == ARENA:
-            engine, why_not = _arena_engine(nodes)
+            engine, why_not = _arena_engine(ddpx.all_reduce)
             if engine is None:
                 left_out[name] = why_not
             else:
@@ -188,7 +190,9 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
         elif WIRE[name] == "int8":
-            add_if_it_works(engines, name, _int8_all_reduce, left_out)
+            # The hook's buckets lie in the arena: so does this engine's tensor, where it can.
+            engine, _ = _arena_engine(_int8_all_reduce)
+            add_if_it_works(engines, name, engine or _int8_all_reduce, left_out)
         else:
             add_if_it_works(
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
@@ -299,11 +303,10 @@ def _build_deepspeed_op():
     return op, why_not
 
 
-def _arena_engine(nodes: int):
-    """The `ddpx-arena` engine, once it has reduced a small arena tensor zero-copy on every rank;
-    or None and why it cannot run here (the same on every rank)."""
-    if nodes > 1:
-        return None, "across nodes ddpx's all-reduce copies through its buffers: no zero-copy"
+def _arena_engine(reduce):
+    """An engine that reduces arena tensors with `reduce` (as `ddpx-arena` does with
+    ddpx.all_reduce), once it has reduced a small one zero-copy on every rank; or None and why
+    it cannot run here (the same on every rank)."""
     world = engine_for()
     why_not = ""
     if not isinstance(world, extension().ShmEngine):
@@ -315,7 +318,7 @@ def _arena_engine(nodes: int):
     why_not = next((why for why in reasons if why), "")
     if why_not:
         return None, why_not
-    engine = _ArenaAllreduce()
+    engine = _ArenaAllreduce(reduce)
     try:
         # Where the ranks cannot reach each other's memory (ptrace rules), arena tensors are
         # reduced the copy way: the engine says why in its description.
@@ -330,44 +333,50 @@ class _NotZeroCopy(RuntimeError):
 
 
 class _ArenaAllreduce:
-    """The `ddpx-arena` engine: ddpx.all_reduce of a tensor in ddpx's arena on every rank, which
-    the ranks sum reading each other's tensors where they lie, copying nothing in or out.
+    """The `ddpx-arena` engine: ddpx.all_reduce (or another `reduce` on the world's engine) of a
+    tensor in ddpx's arena on every rank, which the ranks sum reading each other's tensors where
+    they lie, copying nothing in or out.
 
     It reduces a tensor of its own, made with arena_empty once per size (and dtype) of the tensor
     it is called with, which it leaves untouched: the timed calls never copy. A new tensor is
     zeroed (repeated in-place sums of zeros stay finite) and reduced once, so that every peer has
     mapped its chunk (a peer maps a chunk in the first call that names it) before a call counts.
     `check` reduces given data through it; `require_zero_copy` raises unless the engine counted
-    every call since as zero-copy.
+    every call of every such engine since as zero-copy.
     """
 
-    def __init__(self):
+    calls = 0  # of every instance's __call__, for require_zero_copy: they share one engine
+
+    def __init__(self, reduce):
         self.engine = engine_for()
+        self.reduce = reduce
         self.tensor = torch.empty(0)
-        self.calls = 0  # of __call__, for require_zero_copy
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        if self.tensor.numel() != tensor.numel() or self.tensor.dtype != tensor.dtype:
-            self._make(tensor)
-        ddpx.all_reduce(self.tensor)
-        self.calls += 1
+        self.ready(tensor)
+        self.reduce(self.tensor)
+        _ArenaAllreduce.calls += 1
 
-    def _make(self, like: torch.Tensor) -> None:
+    def ready(self, like: torch.Tensor) -> None:
+        """Makes the arena tensor for `like`'s size and dtype, and reduces it once, if it has
+        none yet."""
+        if self.tensor.numel() == like.numel() and self.tensor.dtype == like.dtype:
+            return
         self.tensor = torch.empty(0)  # the previous size's back to the arena first
         tensor = extension().arena_empty(like.numel(), like.dtype).zero_()
-        ddpx.all_reduce(tensor)
+        self.reduce(tensor)
         self.tensor = tensor
 
     def counts(self) -> tuple[int, int]:
-        """(the engine's zero-copy calls, this engine's calls) so far, for require_zero_copy."""
-        return self.engine.zero_copy_calls, self.calls
+        """(the engine's zero-copy calls, every such engine's calls) so far, for
+        require_zero_copy."""
+        return self.engine.zero_copy_calls, _ArenaAllreduce.calls
 
     def check(self, tensor: torch.Tensor, what: str) -> None:
         """Sum `tensor` in place over the ranks through the arena tensor of its size (copied into
         it and back out: checked, not timed), which is zeroed again after; raise on every rank
         unless the call went zero-copy."""
-        if self.tensor.numel() != tensor.numel() or self.tensor.dtype != tensor.dtype:
-            self._make(tensor)
+        self.ready(tensor)
         self.tensor.copy_(tensor)
         counts = self.counts()
         self(self.tensor)
@@ -379,7 +388,7 @@ class _ArenaAllreduce:
         """Raise on every rank unless the engine counted each of this engine's calls since
         `counts` (of counts()) as zero-copy on every rank: a row labelled ddpx-arena never times
         the copy path."""
-        zero_copy, calls = self.engine.zero_copy_calls - counts[0], self.calls - counts[1]
+        zero_copy, calls = (now - then for now, then in zip(self.counts(), counts, strict=True))
         fewest = torch.tensor([zero_copy - calls], dtype=torch.float64)
         dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         if fewest.item() < 0:
@@ -406,7 +415,7 @@ class _CopyFloor:
 
 def _bench_cell(size: int, engines: dict, args, cell: str, nodes: int) -> list[dict]:
     errors = _check_engines(size, engines, args.seed, count_bytes=nodes > 1)
-    arena = engines.get(ARENA)
+    arena = next((e for e in engines.values() if isinstance(e, _ArenaAllreduce)), None)
     counts = arena.counts() if arena else None
     samples, calls, cpu = timed_in_turns(engines, torch.zeros(size // 4), args, cell)
     if arena:
@@ -445,6 +454,8 @@ def _check_engines(size: int, engines: dict, seed: int, count_bytes: bool) -> di
             errors[name] = {"max_abs_error": None, "tolerance": None, "inter_node_bytes": None}
             continue
         result = mine.clone()
+        if isinstance(engine, _ArenaAllreduce):
+            engine.ready(result)  # its first call, which maps the peers' tensors, goes uncounted
         sent = _cross_node_bytes() if count_bytes and name.startswith("ddpx") else None
         if isinstance(engine, _ArenaAllreduce):
             engine.check(result, f"checking {format_size(size)} on {world_size} ranks")
@@ -506,11 +517,6 @@ def _wire_bytes(engine: str) -> float:
 def _megabytes(row: dict) -> str:
     sent = row.get("inter_node_bytes")
     return "-" if sent is None else f"{sent / 1e6:.3f}"
-
-
-def _cpu(row: dict) -> str:
-    busy, softirq = row.get("cpu_busy"), row.get("cpu_softirq")
-    return "-" if busy is None else f"{100 * busy:.0f}/{100 * softirq:.0f}"
 
 
 class Allreduce(Mode):
@@ -595,7 +601,7 @@ class Allreduce(Mode):
             *([("/ floor", ">7", lambda row: format_ratio(row.get("x_floor")))] if floored else []),
             *(link if linked else []),
             *([("inter-node MB/call", ">18", _megabytes)] if inter_node else []),
-            ("CPU busy/si %", ">13", _cpu),
+            ("CPU busy/si %", ">13", format_cpu),
             *(worst if runs else []),
         ], rows)
         if linked:
@@ -606,9 +612,7 @@ class Allreduce(Mode):
                 "x model = median / model"
             )
             lines.append(tcp_line(rows))
-        lines.append("CPU busy/si %: how busy the machine's cores were through the engine's "
-                     "samples, and the share of it in softirq (the kernel's network stack), from "
-                     "/proc/stat")
+        lines.append(cpu_note("the engine's samples"))
         if runs:
             lines.append(runs_line(runs, ranked.replace("_", " ")))
         if best_peer:

@@ -198,12 +198,14 @@ def _timed_batch(engine, tensor: torch.Tensor, calls: int) -> float:
 
 
 def steps_in_turns(steps: dict, indices: range, cell: str, device: torch.device | None = None,
-                   traffic: "LinkTraffic | None" = None) -> dict:
+                   traffic: "LinkTraffic | None" = None, cpu: dict | None = None) -> dict:
     """Steps `indices` of each of `steps` (name -> a call that makes step `index` of its model),
     the models taking turns step by step so that they share the machine's conditions: name ->
     this rank's seconds for each step (slowest_rank_stats makes them the slowest rank's). A step
     begins after a barrier; on a GPU `device`, it is timed from idle to done on the device.
-    `traffic` (link_traffic's, on the testbed) counts the node's bytes through each step."""
+    `traffic` (link_traffic's, on the testbed) counts the node's bytes through each step; `cpu`,
+    where given, gets name -> the machine's cpu_ticks spent in each step, up to the barrier that
+    ends it on every rank."""
     samples = {name: [] for name in steps}
     started = time.perf_counter()
     for index in indices:
@@ -213,25 +215,29 @@ def steps_in_turns(steps: dict, indices: range, cell: str, device: torch.device 
                 f"{time.perf_counter() - started:.0f} s elapsed"
             )
         for name, step in steps.items():
-            samples[name].append(_timed_step(step, index, device, traffic, name))
+            samples[name].append(_timed_step(step, index, device, traffic, cpu, name))
     return samples
 
 
 def _timed_step(step, index: int, device: torch.device | None, traffic: "LinkTraffic | None",
-                name: str) -> float:
+                cpu: dict | None, name: str) -> float:
     _synchronize(device)
     if dist.get_world_size() > 1:
         dist.barrier()
     before = traffic.counters() if traffic is not None else None
+    ticks = cpu_ticks()
     start = time.perf_counter()
     step(index)
     _synchronize(device)
     seconds = time.perf_counter() - start
-    if traffic is not None:
+    if (traffic is not None or cpu is not None) and dist.get_world_size() > 1:
         # Past this barrier every rank has finished the step, so every byte of it has been
         # received, hence sent: the counters hold the whole step (and two barriers' few bytes).
         dist.barrier()
+    if traffic is not None:
         traffic.add(name, before, traffic.counters())
+    if cpu is not None:
+        cpu.setdefault(name, []).append([b - a for a, b in zip(ticks, cpu_ticks(), strict=True)])
     return seconds
 
 

@@ -217,3 +217,15 @@ def save_figure(figure, path) -> None:
     """Lays a mode's figure out and writes it as the PNG its --plot names, at the docs' 120 dpi."""
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def format_cpu(row: dict) -> str:
+    """How busy the machine's cores were (common.cpu_share): "busy/softirq" in percent."""
+    busy, softirq = row.get("cpu_busy"), row.get("cpu_softirq")
+    return "-" if busy is None else f"{100 * busy:.0f}/{100 * softirq:.0f}"
+
+
+def cpu_note(through: str) -> str:
+    """The table's line on format_cpu's column, whose figures are taken through `through`."""
+    return (f"CPU busy/si %: how busy the machine's cores were through {through}, and the share "
+            "of it in softirq (the kernel's network stack), from /proc/stat")

@@ -59,6 +59,7 @@ from ddpx._ext import extension
 from ddpx_bench.common import (
     UNIT_ROUNDOFF,
     WIRE,
+    cpu_share,
     environment,
     link_traffic,
     node_count,
@@ -70,6 +71,8 @@ from ddpx_bench.mode import Mode, choices_option, count, node_options
 from ddpx_bench.models import GPT, MLP
 from ddpx_bench.report import (
     PER_STEP,
+    cpu_note,
+    format_cpu,
     format_ratio,
     format_spread,
     format_table,
@@ -103,9 +106,13 @@ def bench_train(args) -> dict:
     models = hooked_models(initial, args.comm_hooks, left_out)
     traffic = link_traffic()
     engine_times = EngineTimes(models)
+    cpu = {}
     samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
-                          args.steps, traffic, engine_times)
+                          args.steps, traffic, engine_times, cpu)
     rows = _train_rows(initial, models, samples, args, failures)
+    for row in rows:
+        spent = [sum(column) for column in zip(*cpu[row["hook"]][args.warmup:], strict=True)]
+        row.update(cpu_share(*spent))
     if traffic is not None:
         _add_link_bytes(rows, traffic, args.warmup)
     engine_times.add_to(rows, args.warmup)
@@ -259,11 +266,13 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
-                steps: int, traffic=None, engine_times: EngineTimes | None = None) -> dict:
+                steps: int, traffic=None, engine_times: EngineTimes | None = None,
+                cpu: dict | None = None) -> dict:
     """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
     rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
     makes them the slowest rank's); `traffic` (common.link_traffic's) counts each step's bytes
-    on the link, `engine_times` where a ddpx engine's time went. tools/gpu_report.py uses it too."""
+    on the link, `engine_times` where a ddpx engine's time went, `cpu` the machine's CPU time in
+    each step, warm-up included (steps_in_turns). tools/gpu_report.py uses it too."""
     steps_of = {
         name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
         for name, (model, _) in models.items()
@@ -271,7 +280,7 @@ def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: in
     if engine_times is not None:
         steps_of = {name: engine_times.timing(name, step) for name, step in steps_of.items()}
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
-                             batches[0].device, traffic)
+                             batches[0].device, traffic, cpu)
     return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
@@ -524,6 +533,7 @@ class Train(Mode):
             ("tolerance", ">9", lambda row: "" if "max_abs_diff" not in row else
              "-" if row["tolerance"] is None else f"{row['tolerance']:.2e}"),
             *(link if any("link_bytes_per_step" in row for row in rows) else []),
+            ("CPU busy/si %", ">13", format_cpu),
             ("path", "", lambda row: row["describe"] + (
                 f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
                 if "zero_copy_calls" in row else "")),
@@ -548,6 +558,7 @@ class Train(Mode):
                     f"{row['hook']}: {over}its engine's thread {row['engine_node_ms']:.0f} ms "
                     f"on node work, {row['engine_link_wait_ms']:.0f} ms waiting for the link "
                     f"(median step, slowest rank)")
+        lines.append(cpu_note("the hook's timed steps"))
         if any("link_bytes_per_step" in row for row in rows):
             lines.append("link MB/step: what a node sent per timed step (its interface's tx "
                          "counter, headers and ACKs included), mean over the steps and the "
