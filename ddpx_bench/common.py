@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ddpx._ext import extension
 from ddpx.backend import backend_of
 
 # The other projects' CPU all-reduces, which "x vs best peer" reads every engine against.
@@ -363,3 +364,16 @@ def served_by(routes: dict) -> dict:
         for path, count in counts.items():
             totals[path] = totals.get(path, 0) + count
     return totals
+
+
+def why_no_comm_memory(backend) -> str:
+    """Why `backend` (a ddpx group's) allocates no communication memory from ddpx's arena on some
+    rank, or "" where it does on every rank: the same on every rank. Collective."""
+    why_not = ""
+    if not backend.supports_tensor_alloc(torch.device("cpu")):
+        why_not = ("ddpx's backend allocates no tensors here: "
+                   + (extension().arena_usage()["why_not"]
+                      or "its ranks share no memory (it runs on gloo)"))
+    reasons = [""] * dist.get_world_size()
+    dist.all_gather_object(reasons, why_not)
+    return next((why for why in reasons if why), "")

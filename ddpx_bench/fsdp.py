@@ -23,7 +23,7 @@ FSDP2 takes the buffers of its all-gathers and reduce-scatters from torch.empty,
 `ddpx-mem`, whose FSDP2 takes them from the group's backend, ddpx's arena
 (set_allocate_memory_from_process_group_for_comm(True) on every module; the all-gathers and
 reduce-scatters still copy; after the warm-up the arena must hold memory on every rank, else the
-run stops; left out where the backend allocates no tensors: across nodes, or without an arena).
+run stops; left out where the backend allocates no tensors: without an arena).
 For each of --precisions (default fp32): `fp32`, and `bf16`
 (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16): bfloat16 gathers of
 the parameters, compute and reduce-scatters of the gradients, float32 sharded parameters for
@@ -70,6 +70,7 @@ from ddpx_bench.common import (
     routes_since,
     served_by,
     steps_in_turns,
+    why_no_comm_memory,
 )
 from ddpx_bench.mode import Mode, choices_option, count, node_options, positive
 from ddpx_bench.report import (
@@ -179,14 +180,7 @@ def _ddpx_groups(left_out: dict) -> dict:
         left_out["ddpx-mem"] = left_out["ddpx"]
         return {}
     groups = {"ddpx": (group, backend)}
-    why_not = ""
-    if not backend.supports_tensor_alloc(torch.device("cpu")):
-        why_not = ("ddpx's backend allocates no tensors here: " + (
-            extension().arena_usage()["why_not"]
-            or "its ranks span nodes, or share no memory (it runs on gloo)"))
-    reasons = [""] * dist.get_world_size()
-    dist.all_gather_object(reasons, why_not)
-    why_not = next((why for why in reasons if why), "")
+    why_not = why_no_comm_memory(backend)
     if why_not:
         left_out["ddpx-mem"] = why_not
     else:

@@ -28,9 +28,9 @@ buckets in ddpx's arena, which it reduces where they lie, zero-copy; the variabl
 makes its buckets, at construction and at their rebuild in the second step's forward, and put back
 after; a step after which a gradient lies elsewhere than its bucket should stops the run, and the
 table says how many all-reduces the engine ran zero-copy: some with the arena and none without, else
-exit status 1; `backend-mem` is left out where the backend allocates no tensors: across nodes, or
-without an arena), and `none`, which is not a way to train: a hook that communicates nothing (each
-rank keeps its own gradients), the step's floor that any hook's time is read against (it is timed,
+exit status 1; `backend-mem` is left out where the backend allocates no tensors: without an
+arena), and `none`, which is not a way to train: a hook that communicates nothing (each rank keeps
+its own gradients), the step's floor that any hook's time is read against (it is timed,
 not checked). The models start from the same seed, see the same data and take turns step by step; a
 sample is one step on the slowest rank, started right after a barrier. Reported: median and p10-p90
 step time in ms, x vs default, and max |diff| of each model's final parameters from the default
@@ -66,6 +66,7 @@ from ddpx_bench.common import (
     same_on_all_ranks,
     slowest_rank_stats,
     steps_in_turns,
+    why_no_comm_memory,
 )
 from ddpx_bench.mode import Mode, choices_option, count, node_options
 from ddpx_bench.models import GPT, MLP
@@ -248,14 +249,7 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
     if "ddpx" not in dist.Backend.backend_list:
         return None, "this build of ddpx registers no torch.distributed backend 'ddpx'"
     group = dist.new_group(list(range(dist.get_world_size())), backend="ddpx")
-    why_not = ""
-    if comm_memory and not ddpx.backend_of(group).supports_tensor_alloc(torch.device("cpu")):
-        why_not = ("ddpx's backend allocates no tensors here: " + (
-            extension().arena_usage()["why_not"]
-            or "its ranks span nodes, or share no memory (it runs on gloo)"))
-    reasons = [""] * dist.get_world_size()
-    dist.all_gather_object(reasons, why_not)  # every rank leaves it out, or none
-    why_not = next((why for why in reasons if why), "")
+    why_not = why_no_comm_memory(ddpx.backend_of(group)) if comm_memory else ""
     if why_not:
         return None, why_not
     model = _BackendDDP(copy.deepcopy(initial), group, comm_memory)

@@ -115,7 +115,7 @@ void Backend::set_timeout(std::chrono::milliseconds timeout) {
 #if DDPX_TORCH_AT_LEAST_2_9
 bool Backend::supportsTensorAlloc(c10::DeviceIndex device) {
   // A CPU device has no index; a group that also serves CUDA tensors may be asked for theirs.
-  return device < 0 && local() && Arena::process().usable();
+  return device < 0 && engine_ && engine_->serves_arena();
 }
 
 at::Tensor Backend::allocateTensor(long size, at::TensorOptions options) {
