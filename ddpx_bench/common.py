@@ -226,7 +226,7 @@ def _timed_step(step, index: int, device: torch.device | None, traffic: "LinkTra
     if dist.get_world_size() > 1:
         dist.barrier()
     before = traffic.counters() if traffic is not None else None
-    ticks = cpu_ticks()
+    ticks = cpu_ticks() if cpu is not None else None
     start = time.perf_counter()
     step(index)
     _synchronize(device)
