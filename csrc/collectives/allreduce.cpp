@@ -108,12 +108,12 @@ void sum_slice(const AllreduceCall& call, uint64_t step, int64_t b, int64_t lo, 
   const Blocks& x = call.blocks;
   const void* srcs[kMaxLocalRanks];
   if (call.peers) {
+    const size_t offset = size_t(b * x.per_block + lo) * x.data_size;
     const size_t bytes = size_t(hi - lo) * x.data_size;
     std::vector<char>& room = call.comm.workers().scratch(0);
     room.resize(size_t(x.ranks) * bytes);
     for (int r = 0; r < x.ranks; ++r) {
-      srcs[r] = call.peers->view(r, size_t(x.at(b) + size_t(lo) * x.data_size - x.data), bytes,
-                                 room.data() + size_t(r) * bytes);
+      srcs[r] = call.peers->view(r, offset, bytes, room.data() + size_t(r) * bytes);
     }
   } else {
     for (int r = 0; r < x.ranks; ++r) {
