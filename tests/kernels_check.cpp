@@ -365,21 +365,22 @@ void check_copy(const Kernels& k) {
   }
 }
 
-// Block-scaled int8 (quantize.h) against the rounding written plainly: per block of 256, the
+// Block-scaled int8 (quantize.h) against the rounding written plainly: per block of 64, the
 // scale is the largest magnitude / 127, each value becomes nearbyint(v * (127 / largest)), and
 // what that lost is kept; a block with a NaN or an infinity travels as NaN, its residual zeroed.
-// Then the dequantized sum of two such buffers, in order.
-void check_quantize() {
-  Tally& t = check("int8 quantize, dequantize-sum");
+// Then the dequantized sum of two such buffers, in order. Case 3 rounds without error feedback
+// (a null residual, as if zero).
+void check_quantize(const Kernels& k) {
+  Tally& t = check(std::string(k.isa) + " int8 quantize, dequantize-sum");
   std::mt19937_64 rng(5);
   std::normal_distribution<float> normal;
-  for (int64_t n : {0, 1, 255, 256, 257, 1000, 4097}) {
-    for (int special = 0; special < 3; ++special) {
+  for (int64_t n : {0, 1, 63, 64, 65, 255, 256, 257, 1000, 4097}) {
+    for (int special = 0; special < 4; ++special) {
       const size_t count = static_cast<size_t>(n);
       std::vector<float> x(count), residual(count), want_residual(count);
       for (int64_t i = 0; i < n; ++i) {
         x[size_t(i)] = normal(rng) * float(1 + i % 7);
-        residual[size_t(i)] = normal(rng) * 0.01f;
+        residual[size_t(i)] = special == 3 ? 0.0f : normal(rng) * 0.01f;
       }
       if (n > 300 && special == 1) x[300] = std::numeric_limits<float>::quiet_NaN();
       if (n > 300 && special == 2) x[3] = std::numeric_limits<float>::infinity();
@@ -413,8 +414,20 @@ void check_quantize() {
         }
       }
       std::vector<unsigned char> wire(layout.bytes() + 1, 0xAB);
-      ddpx::quantize_int8(wire.data(), layout, x.data(), residual.data(), n);
-      bool ok = wire.back() == 0xAB;
+      // Also in pieces of 3 blocks (and what is left), each from its own first value: the same
+      // bytes and residuals as the whole.
+      std::vector<unsigned char> pieced(layout.bytes() + 1, 0xAB);
+      std::vector<float> pieced_residual = residual;
+      for (int64_t b = 0; b < layout.blocks; b += 3) {
+        const int64_t at = b * ddpx::kInt8Block;
+        k.quantize_int8(pieced.data(), layout, x.data() + at,
+                        special == 3 ? nullptr : pieced_residual.data() + at, n, b,
+                        std::min(layout.blocks, b + 3));
+      }
+      k.quantize_int8(wire.data(), layout, x.data(), special == 3 ? nullptr : residual.data(), n, 0,
+                      layout.blocks);
+      bool ok = wire.back() == 0xAB && pieced == wire &&
+                std::memcmp(pieced_residual.data(), residual.data(), count * sizeof(float)) == 0;
       for (int64_t b = 0; b < layout.blocks; ++b) {
         float scale;
         std::memcpy(&scale, wire.data() + 4 * b, 4);
@@ -423,18 +436,37 @@ void check_quantize() {
       }
       for (int64_t i = 0; i < n; ++i) {
         const auto q = static_cast<int8_t>(wire[layout.values_offset() + size_t(i)]);
-        ok =
-            ok && float(q) == want_values[size_t(i)] &&
-            bit_cast<uint32_t>(residual[size_t(i)]) == bit_cast<uint32_t>(want_residual[size_t(i)]);
+        ok = ok && float(q) == want_values[size_t(i)] &&
+             (special == 3 || bit_cast<uint32_t>(residual[size_t(i)]) ==
+                                  bit_cast<uint32_t>(want_residual[size_t(i)]));
       }
-      std::vector<float> sum(count);
-      const void* both[2] = {wire.data(), wire.data()};
-      ddpx::dequantize_sum_int8(sum.data(), both, 2, layout, n);
+      // Three buffers (this one, and two more rounded by the kernel just checked), summed in
+      // order: floats do not add associatively, so a kernel that sums in another order differs.
+      std::vector<std::vector<unsigned char>> wires(3, wire);
+      for (int w = 1; w < 3; ++w) {
+        std::vector<float> other(count);
+        for (int64_t i = 0; i < n; ++i) other[size_t(i)] = normal(rng) * float(1 << (8 * w));
+        k.quantize_int8(wires[size_t(w)].data(), layout, other.data(), nullptr, n, 0,
+                        layout.blocks);
+      }
+      std::vector<float> sum(count), pieced_sum(count);
+      const void* three[3] = {wires[0].data(), wires[1].data(), wires[2].data()};
+      k.dequantize_sum_int8(sum.data(), three, 3, layout, n, 0, layout.blocks);
+      for (int64_t b = 0; b < layout.blocks; b += 3) {
+        k.dequantize_sum_int8(pieced_sum.data() + b * ddpx::kInt8Block, three, 3, layout, n, b,
+                              std::min(layout.blocks, b + 3));
+      }
+      ok = ok && std::memcmp(pieced_sum.data(), sum.data(), count * sizeof(float)) == 0;
       for (int64_t i = 0; i < n; ++i) {
-        float scale;
-        std::memcpy(&scale, wire.data() + 4 * (i / ddpx::kInt8Block), 4);
-        const float one = want_values[size_t(i)] * scale;
-        const float want = one + one;
+        float want = 0.0f;
+        for (int w = 0; w < 3; ++w) {
+          const unsigned char* from = wires[size_t(w)].data();
+          float scale;
+          std::memcpy(&scale, from + 4 * (i / ddpx::kInt8Block), 4);
+          const float one =
+              float(static_cast<int8_t>(from[layout.values_offset() + size_t(i)])) * scale;
+          want = w == 0 ? one : want + one;
+        }
         ok = ok &&
              (std::isnan(want) ? std::isnan(sum[size_t(i)])
                                : bit_cast<uint32_t>(sum[size_t(i)]) == bit_cast<uint32_t>(want));
@@ -466,8 +498,8 @@ int main() {
   record(api, !impls.empty() && std::strcmp(impls[0]->isa, "portable") == 0, "no portable kernels");
   const bool widest = !impls.empty() && std::strcmp(ddpx::kernels().isa, impls.back()->isa) == 0;
   record(api, widest, "kernels() is not the widest implementation available");
-  check_quantize();
   for (const Kernels* k : impls) {
+    check_quantize(*k);
     check_casts(*k);
     check_convert(*k);
     check_reduce(*k);

@@ -142,7 +142,8 @@ class ProcessGroupCrossNode final : public CrossNode {
     if (nodes_ == 2) {
       const Int8Layout layout(n);
       chunk->dealt = bytes_like(layout.bytes());
-      quantize_int8(chunk->dealt.data_ptr(), layout, data.get(), residual.get(), n);
+      kernels().quantize_int8(chunk->dealt.data_ptr(), layout, data.get(), residual.get(), n, 0,
+                              layout.blocks);
       chunk->received = bytes_like(2 * layout.bytes());
       chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
       pending_.push_back(std::move(chunk));
@@ -153,9 +154,10 @@ class ProcessGroupCrossNode final : public CrossNode {
     chunk->dealt = bytes_like(size_t(nodes_) * layout.bytes());
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(n, k * chunk->piece);
-      quantize_int8(static_cast<char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes(),
-                    layout, data.get() + lo, residual ? residual.get() + lo : nullptr,
-                    std::min(chunk->piece, n - lo));
+      kernels().quantize_int8(
+          static_cast<char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes(), layout,
+          data.get() + lo, residual ? residual.get() + lo : nullptr, std::min(chunk->piece, n - lo),
+          0, layout.blocks);
     }
     deal(std::move(chunk), lane, layout.bytes());
   }
@@ -347,10 +349,11 @@ class ProcessGroupCrossNode final : public CrossNode {
       pieces[i] = static_cast<const char*>(c.received.data_ptr()) + size_t(i) * layout.bytes();
     }
     std::vector<float> sum(size_t(c.piece));
-    dequantize_sum_int8(sum.data(), pieces, nodes, layout, c.piece);
+    kernels().dequantize_sum_int8(sum.data(), pieces, nodes, layout, c.piece, 0, layout.blocks);
     const int64_t lo = std::min(c.n, c.node * c.piece);
-    quantize_int8(c.mine.data_ptr(), layout, sum.data(), c.pieces ? c.pieces.get() + lo : nullptr,
-                  std::min(c.piece, c.n - lo));
+    kernels().quantize_int8(c.mine.data_ptr(), layout, sum.data(),
+                            c.pieces ? c.pieces.get() + lo : nullptr, std::min(c.piece, c.n - lo),
+                            0, layout.blocks);
   }
 
   // Both nodes' chunks summed in node order, or every node's gathered piece, into the chunk.
@@ -362,7 +365,7 @@ class ProcessGroupCrossNode final : public CrossNode {
       link_->watch->await(*chunk.work);
       const Int8Layout layout(chunk.n);
       const void* both[2] = {from, from + layout.bytes()};
-      dequantize_sum_int8(data, both, 2, layout, chunk.n);
+      kernels().dequantize_sum_int8(data, both, 2, layout, chunk.n, 0, layout.blocks);
       count(int64_t(layout.bytes()));
       return;
     }
@@ -372,7 +375,8 @@ class ProcessGroupCrossNode final : public CrossNode {
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(chunk.n, k * chunk.piece);
       const void* piece = from + size_t(k) * layout.bytes();
-      dequantize_sum_int8(data + lo, &piece, 1, layout, std::min(chunk.piece, chunk.n - lo));
+      kernels().dequantize_sum_int8(data + lo, &piece, 1, layout,
+                                    std::min(chunk.piece, chunk.n - lo), 0, layout.blocks);
     }
     count(2 * (nodes_ - 1) * int64_t(layout.bytes()));
   }

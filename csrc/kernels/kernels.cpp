@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernel_dispatch.h"
+#include "quantize.h"
 
 namespace ddpx {
 
@@ -30,8 +31,9 @@ const char* dtype_name(DType t) {
 namespace {
 void plain_copy(void* dst, const void* src, size_t bytes, Write) { std::memcpy(dst, src, bytes); }
 
-const Kernels kPortable{"portable", &convert_dispatch<ScalarLoops>, &reduce_dispatch<ScalarLoops>,
-                        &plain_copy};
+const Kernels kPortable{
+    "portable",  &convert_dispatch<ScalarLoops>,  &reduce_dispatch<ScalarLoops>,
+    &plain_copy, &detail::quantize_int8_portable, &detail::dequantize_sum_int8_portable};
 }  // namespace
 
 const Kernels* kernels_for(const char* isa) {

@@ -35,11 +35,22 @@ using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int n
 // dst[0..bytes) = src[0..bytes), any bits; dst and src do not overlap.
 using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Write write);
 
+// Block-scaled int8's rounding and its dequantized sum, over blocks [first, end) of a layout
+// (quantize.h says what each does).
+struct Int8Layout;
+using QuantizeInt8Fn = void (*)(void* out, const Int8Layout& layout, const float* x,
+                                float* residual, int64_t count, int64_t first, int64_t end);
+using DequantizeSumInt8Fn = void (*)(float* dst, const void* const* srcs, int nsrc,
+                                     const Int8Layout& layout, int64_t count, int64_t first,
+                                     int64_t end);
+
 struct Kernels {
   const char* isa;
   ConvertFn convert;
   ReduceFn reduce;
   CopyFn copy;
+  QuantizeInt8Fn quantize_int8;
+  DequantizeSumInt8Fn dequantize_sum_int8;
 };
 
 // The widest kernels this CPU runs, chosen once at first use ("avx2" or "portable").

@@ -44,24 +44,26 @@ bool largest_magnitude(const float* v, int64_t len, float* largest) {
 
 }  // namespace
 
-void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* residual,
-                   int64_t count) {
+namespace detail {
+
+void quantize_int8_portable(void* out, const Int8Layout& layout, const float* x, float* residual,
+                            int64_t count, int64_t first, int64_t end) {
   auto* scales = static_cast<float*>(out);
   auto* values = reinterpret_cast<int8_t*>(static_cast<char*>(out) + layout.values_offset());
   float v[kInt8Block];
-  for (int64_t b = 0; b < layout.blocks; ++b) {
+  for (int64_t b = first; b < end; ++b) {
     const int64_t lo = b * kInt8Block;
     const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
-    for (int64_t i = 0; i < len; ++i) {
-      v[i] = residual != nullptr ? x[lo + i] + residual[lo + i] : x[lo + i];
-    }
+    const float* in = x + (lo - first * kInt8Block);
+    float* kept = residual != nullptr ? residual + (lo - first * kInt8Block) : nullptr;
+    for (int64_t i = 0; i < len; ++i) v[i] = kept != nullptr ? in[i] + kept[i] : in[i];
     float largest = 0.0f;
     const bool finite = largest_magnitude(v, len, &largest);
     int8_t* q = values + lo;
     if (!finite) {
       scales[b] = std::numeric_limits<float>::quiet_NaN();
       std::memset(q, 0, size_t(std::min<int64_t>(kInt8Block, layout.n - lo)));
-      if (residual != nullptr) std::fill(residual + lo, residual + lo + len, 0.0f);
+      if (kept != nullptr) std::fill(kept, kept + len, 0.0f);
       continue;
     }
     const bool tiny = largest < kInt8Smallest;
@@ -71,16 +73,17 @@ void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* r
     for (int64_t i = 0; i < len; ++i) {
       const float rounded = round_even(v[i] * inverse);
       q[i] = int8_t(rounded);
-      if (residual != nullptr) residual[lo + i] = v[i] - rounded * scale;
+      if (kept != nullptr) kept[i] = v[i] - rounded * scale;
     }
     const int64_t room = std::min<int64_t>(kInt8Block, layout.n - lo);
     if (room > len) std::memset(q + len, 0, size_t(room - len));
   }
 }
 
-void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const Int8Layout& layout,
-                         int64_t count) {
-  for (int64_t b = 0; b < layout.blocks; ++b) {
+void dequantize_sum_int8_portable(float* dst, const void* const* srcs, int nsrc,
+                                  const Int8Layout& layout, int64_t count, int64_t first,
+                                  int64_t end) {
+  for (int64_t b = first; b < end; ++b) {
     const int64_t lo = b * kInt8Block;
     const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
     for (int k = 0; k < nsrc; ++k) {
@@ -88,7 +91,7 @@ void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const In
       const auto* q = reinterpret_cast<const int8_t*>(static_cast<const char*>(srcs[k]) +
                                                       layout.values_offset()) +
                       lo;
-      float* d = dst + lo;
+      float* d = dst + (lo - first * kInt8Block);
       if (k == 0) {
         for (int64_t i = 0; i < len; ++i) d[i] = float(q[i]) * scale;
       } else {
@@ -98,4 +101,5 @@ void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const In
   }
 }
 
+}  // namespace detail
 }  // namespace ddpx

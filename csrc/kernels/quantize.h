@@ -23,19 +23,29 @@ struct Int8Layout {
   size_t values_offset() const { return size_t(blocks) * sizeof(float); }
 };
 
-// Puts the first `count` (<= layout.n) of x + residual into out (layout's bytes; the rest of it
-// zeroed), rounding to nearest even, and leaves in residual what the rounding lost: residual =
-// (x + residual) - its dequantized value. A block whose largest magnitude is not finite travels
-// as such (its values dequantize to NaN) and its residual is reset to zero, so one overflowing
-// step does not poison the next; one below kInt8Smallest travels as zeros. residual may be null
-// (no error feedback).
-void quantize_int8(void* out, const Int8Layout& layout, const float* x, float* residual,
-                   int64_t count);
-
-// dst[i] = dequantized srcs[0][i] + srcs[1][i] + ... for the first `count` values of nsrc
-// buffers of `layout`, summed left to right in float32 and rounded once per addition, so every
-// caller that passes the same buffers in the same order gets the same bits.
-void dequantize_sum_int8(float* dst, const void* const* srcs, int nsrc, const Int8Layout& layout,
-                         int64_t count);
+// The two operations on the format, each a Kernels entry (kernels.h) that gives the same bits in
+// every instruction set, over the layout's blocks [first, end): x, residual and dst hold the
+// values from block first's first one, and values from `count` (<= layout.n) on are zeros.
+//
+// quantize_int8(out, layout, x, residual, count, first, end) puts x + residual into those blocks of
+// out (layout's bytes), rounding to nearest even, and leaves in residual what the rounding lost:
+// residual = (x + residual) - its dequantized value. A block whose largest magnitude is not finite
+// travels as such (its values dequantize to NaN) and its residual is reset to zero, so one
+// overflowing step does not poison the next; one below kInt8Smallest travels as zeros. residual
+// may be null (no error feedback).
+//
+// dequantize_sum_int8(dst, srcs, nsrc, layout, count, first, end): dst[i] = dequantized
+// srcs[0][i] + srcs[1][i] + ... for those blocks' values below count, of nsrc buffers of `layout`,
+// summed left to right in float32 and rounded once per addition, so every caller that passes the
+// same buffers in the same order gets the same bits.
+namespace detail {
+// The portable loops: the whole of the portable kernels, and the vector kernels' partial and
+// non-finite blocks.
+void quantize_int8_portable(void* out, const Int8Layout& layout, const float* x, float* residual,
+                            int64_t count, int64_t first, int64_t end);
+void dequantize_sum_int8_portable(float* dst, const void* const* srcs, int nsrc,
+                                  const Int8Layout& layout, int64_t count, int64_t first,
+                                  int64_t end);
+}  // namespace detail
 
 }  // namespace ddpx
