@@ -230,43 +230,83 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Handing out a chunk that crossed nodes: wait for it, then copy each block's slice into the
-// output slot and every rank's block out; or, where the call went Direct, write each block's
-// slice into every rank's tensor where it lies, and at the call's last chunk wait until every
-// rank has written its slices. Kept by value, as its call may have returned since.
+// Calls fn(b, from, to, at) for each block b whose slice holds some of elements [lo, lo + n) of
+// the node sums of the blocks from `first` on, slice after slice: the block's elements
+// [from, to), at `at` in that range. Every slice but the call's last block's is full_slice long.
+template <class Fn>
+void for_slices(const Blocks& x, int64_t full_slice, int64_t first, int64_t lo, int64_t n,
+                Fn&& fn) {
+  int64_t b = first + lo / full_slice, skip = lo % full_slice;
+  for (int64_t at = 0; at < n; ++b, skip = 0) {
+    const auto [from, to] = x.slice(x.elements(b));
+    const int64_t take = std::min(n - at, to - from - skip);
+    TORCH_INTERNAL_ASSERT(take > 0, "ddpx: node sums past the call's slices");
+    fn(b, from + skip, from + skip + take, at);
+    at += take;
+  }
+}
+
+// Handing out a chunk that crossed nodes: wait for it, then put its sums, as they come, into
+// each block's output slot and copy every block out; or, where the call went Direct, write them
+// into every rank's tensor where it lies, and at the call's last chunk wait until every rank has
+// written its slices. int8 chunks come back a tile at a time, dequantized as they are put; the
+// others are summed in place in the node sums. Kept by value, as its call may have returned since.
 InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> sums,
                   int64_t full_slice, int64_t first, int64_t end, int64_t elements) {
   std::optional<PeerData> peers;
   if (call.peers) peers = *call.peers;
   auto task = [&comm = call.comm, x = call.blocks, meta = call.meta, rule = call.rule,
-               wide = call.wide, out_write = call.out_write, what = call.what, peers, sums,
-               full_slice, first, end, elements] {
-    if (elements > 0) {
-      RECORD_FUNCTION("ddpx::waits for the link", std::vector<c10::IValue>());
-      const auto waits = Clock::now();
-      comm.across("all-reduce", what, [&] { comm.cross_node().finish_reduce(); });
-      comm.add_across_times(0, seconds_since(waits));
-    }
+               wide = call.wide, out_write = call.out_write, what = call.what,
+               int8 = call.int8 != nullptr, peers, sums, full_slice, first, end, elements] {
     const Kernels& k = kernels();
     const AllreduceCall done{comm, x, meta, rule, wide, false, out_write, what, nullptr};
-    for (int64_t b = first; b < end; ++b) {
-      const auto [lo, hi] = x.slice(x.elements(b));
-      const char* sum = sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
-      if (peers) {
-        char* mine = x.at(b) + size_t(lo) * x.data_size;
-        const size_t bytes = size_t(hi - lo) * x.data_size;
-        k.convert(mine, x.dtype, sum, x.acc, hi - lo, rule.sum_scale, Write::Cached);
-        for (int r = 0; r < x.ranks; ++r) {
-          if (r != x.me) peers->write(r, size_t(mine - x.data), mine, bytes);
+    int64_t open = first - 1;  // through the slots: the block whose step is open
+    uint64_t step = 0;
+    auto advance = [&] {
+      if (open >= first) copy_out(done, step, open);
+      if (++open < end) step = comm.next_step();
+    };
+    auto put = [&](int64_t lo, const char* part, int64_t n) {
+      for_slices(x, full_slice, first, lo, n, [&](int64_t b, int64_t from, int64_t to, int64_t at) {
+        const char* sum = part + size_t(at) * x.acc_size;
+        if (peers) {
+          char* mine = x.at(b) + size_t(from) * x.data_size;
+          const size_t bytes = size_t(to - from) * x.data_size;
+          k.convert(mine, x.dtype, sum, x.acc, to - from, rule.sum_scale, Write::Cached);
+          for (int r = 0; r < x.ranks; ++r) {
+            if (r != x.me) peers->write(r, size_t(mine - x.data), mine, bytes);
+          }
+          return;
         }
-        continue;
+        while (open < b) advance();
+        k.convert(comm.output_slot(step) + size_t(from) * x.acc_size, x.acc, sum, x.acc, to - from,
+                  1.0, Write::Cached);
+      });
+    };
+    if (elements > 0) {
+      CrossNode& link = comm.cross_node();
+      {
+        RECORD_FUNCTION("ddpx::waits for the link", std::vector<c10::IValue>());
+        const auto waits = Clock::now();
+        comm.across("all-reduce", what, [&] { link.await_oldest(); });
+        comm.add_across_times(0, seconds_since(waits));
       }
-      const uint64_t step = comm.next_step();
-      k.convert(comm.output_slot(step) + size_t(lo) * x.acc_size, x.acc, sum, x.acc, hi - lo, 1.0,
-                Write::Cached);
-      copy_out(done, step, b);
+      if (int8) {
+        comm.across("all-reduce", what, [&] {
+          link.finish_reduce_int8([&](int64_t lo, const float* part, int64_t n) {
+            put(lo, reinterpret_cast<const char*>(part), n);
+          });
+        });
+      } else {
+        comm.across("all-reduce", what, [&] { link.finish_reduce(); });
+        put(0, sums->data() + size_t(slice_offset(x, full_slice, first)) * x.acc_size, elements);
+      }
     }
-    if (peers && end == x.n) comm.finish_reads(comm.next_step(), what);
+    if (!peers) {
+      while (open < end) advance();
+    } else if (end == x.n) {
+      comm.finish_reads(comm.next_step(), what);
+    }
   };
   return InFlight{std::move(task), nullptr};
 }
@@ -319,7 +359,10 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   if (opening.method == CopyMethod::Direct) call.peers = &opening.peers;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
-    for (int64_t b = first; b < chunk_start(c + 1); ++b) {
+    // A Direct int8 chunk is summed within the node a tile at a time as it is rounded, but for
+    // the first, summed whole while the check across nodes crosses: no chunk crosses before it.
+    const bool tiled = call.int8 && call.peers && c > 0;
+    for (int64_t b = first; b < chunk_start(c + 1) && !tiled; ++b) {
       const uint64_t step = call.peers ? 0 : arrive(call, b, opening.carried);
       const auto [lo, hi] = x.slice(x.elements(b));
       sum_slice(call, step, b, lo, hi, sums_at(b));
@@ -327,9 +370,16 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
     // The check across nodes started with the first block and ran while the node summed it.
     if (c == 0) comm.finish_node_check(call.meta, "", call.what);
     if (chunk_elements(c) > 0 && call.int8) {
-      const std::shared_ptr<float> chunk(node_sums, reinterpret_cast<float*>(sums_at(first)));
+      const CrossNode::Int8Values values = [&](int64_t lo, int64_t n, float* room) -> const float* {
+        if (!tiled) return reinterpret_cast<const float*>(sums_at(first)) + lo;
+        for_slices(x, full_slice, first, lo, n,
+                   [&](int64_t b, int64_t from, int64_t to, int64_t at) {
+                     sum_slice(call, 0, b, from, to, room + at);
+                   });
+        return room;
+      };
       comm.across("all-reduce", call.what, [&] {
-        link.start_reduce_int8(chunk, chunk_elements(c), residual_at(first, 0),
+        link.start_reduce_int8(chunk_elements(c), values, residual_at(first, 0),
                                link.nodes() > 2 ? residual_at(first, 1) : nullptr);
       });
     } else if (chunk_elements(c) > 0) {

@@ -21,6 +21,9 @@
 namespace ddpx {
 namespace {
 
+// int8 rounds and sums a chunk a tile at a time, whole blocks that stay in the core's L1 cache.
+constexpr int64_t kTile = 64 * kInt8Block;
+
 // The node-to-node step of the hierarchical all-reduce, for one chunk of one rank's slices.
 // Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
 // ways and is still summed in float32: an all-to-all deals each node one piece of every node's
@@ -130,10 +133,9 @@ class ProcessGroupCrossNode final : public CrossNode {
   // among more, each node's chunk is dealt in one piece per node, each rank sums its piece over
   // the nodes, rounds the sum to int8 again (keeping what that lost in `pieces`) and gathers the
   // pieces back. Every piece is quantized on its own, its blocks starting at its first element.
-  void start_reduce_int8(std::shared_ptr<float> data, int64_t n, std::shared_ptr<float> residual,
+  void start_reduce_int8(int64_t n, const Int8Values& values, std::shared_ptr<float> residual,
                          std::shared_ptr<float> pieces) override {
     auto chunk = std::make_shared<Chunk>();
-    chunk->data = data;
     chunk->int8 = true;
     chunk->n = n;
     chunk->node = node();
@@ -142,8 +144,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     if (nodes_ == 2) {
       const Int8Layout layout(n);
       chunk->dealt = bytes_like(layout.bytes());
-      kernels().quantize_int8(chunk->dealt.data_ptr(), layout, data.get(), residual.get(), n, 0,
-                              layout.blocks);
+      round_tiles(chunk->dealt.data_ptr(), layout, values, 0, n, residual.get());
       chunk->received = bytes_like(2 * layout.bytes());
       chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
       pending_.push_back(std::move(chunk));
@@ -154,10 +155,9 @@ class ProcessGroupCrossNode final : public CrossNode {
     chunk->dealt = bytes_like(size_t(nodes_) * layout.bytes());
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(n, k * chunk->piece);
-      kernels().quantize_int8(
-          static_cast<char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes(), layout,
-          data.get() + lo, residual ? residual.get() + lo : nullptr, std::min(chunk->piece, n - lo),
-          0, layout.blocks);
+      round_tiles(static_cast<char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes(), layout,
+                  values, lo, std::min(chunk->piece, n - lo),
+                  residual ? residual.get() + lo : nullptr);
     }
     deal(std::move(chunk), lane, layout.bytes());
   }
@@ -222,12 +222,7 @@ class ProcessGroupCrossNode final : public CrossNode {
   }
 
   void finish_reduce() override {
-    std::shared_ptr<Chunk> chunk = std::move(pending_.front());
-    pending_.pop_front();
-    if (chunk->int8) {
-      finish_int8(*chunk);
-      return;
-    }
+    std::shared_ptr<Chunk> chunk = oldest(false);
     const int64_t wire_size = int64_t(dtype_size(chunk->wire));
     if (chunk->wire == chunk->acc) {
       link_->watch->await(*chunk->work);
@@ -249,9 +244,40 @@ class ProcessGroupCrossNode final : public CrossNode {
     count(nodes_ == 2 ? chunk->n * wire_size : 2 * (nodes_ - 1) * chunk->piece * wire_size);
   }
 
+  // Both nodes' chunks summed in node order, or every node's gathered piece, to put.
+  void finish_reduce_int8(const Int8Sums& put) override {
+    std::shared_ptr<Chunk> chunk = oldest(true);
+    if (nodes_ == 2) {
+      link_->watch->await(*chunk->work);
+      const char* from = static_cast<const char*>(chunk->received.data_ptr());
+      const Int8Layout layout(chunk->n);
+      const void* both[2] = {from, from + layout.bytes()};
+      sum_tiles(both, 2, layout, 0, chunk->n, put);
+      count(int64_t(layout.bytes()));
+      return;
+    }
+    chunk->gathering.get();  // the link thread's failure, if it had one
+    link_->watch->await(*chunk->work);
+    const Int8Layout layout(chunk->piece);
+    for (int k = 0; k < nodes_; ++k) {
+      const int64_t lo = std::min(chunk->n, k * chunk->piece);
+      const void* piece =
+          static_cast<const char*>(chunk->dealt.data_ptr()) + size_t(k) * layout.bytes();
+      sum_tiles(&piece, 1, layout, lo, std::min(chunk->piece, chunk->n - lo), put);
+    }
+    count(2 * (nodes_ - 1) * int64_t(layout.bytes()));
+  }
+
+  void await_oldest() override {
+    TORCH_INTERNAL_ASSERT(!pending_.empty(), "ddpx: no chunk is crossing nodes");
+    Chunk& chunk = *pending_.front();
+    if (chunk.gathering.valid()) chunk.gathering.get();  // the link thread's failure, if it had one
+    link_->watch->await(*chunk.work);
+  }
+
  private:
   struct Chunk {
-    std::shared_ptr<void> data;  // n accumulation-dtype elements, summed in place
+    std::shared_ptr<void> data;  // start_reduce: n accumulation-dtype elements, summed in place
     DType acc = DType::Float32, wire = DType::Float32;
     bool int8 = false;  // block-scaled int8 on the wire (start_reduce_int8)
     int64_t n = 0, piece = 0;
@@ -263,7 +289,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
     std::promise<void> gathering_started;  // set by the link thread once work gathers
-    std::future<void> gathering;
+    std::shared_future<void> gathering;
   };
   struct Trade {
     c10::intrusive_ptr<c10d::Work> work;
@@ -290,7 +316,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     chunk->mine = bytes_like(piece_bytes);
     chunk->gathering_group = groups_[lane + 1];
     chunk->work = ddpx::all_to_all(*groups_[lane], chunk->received, chunk->dealt, timeout_);
-    chunk->gathering = chunk->gathering_started.get_future();
+    chunk->gathering = chunk->gathering_started.get_future().share();
     {
       std::lock_guard<std::mutex> lock(link_->mu);
       link_->dealt.push_back(chunk);
@@ -356,29 +382,36 @@ class ProcessGroupCrossNode final : public CrossNode {
                             0, layout.blocks);
   }
 
-  // Both nodes' chunks summed in node order, or every node's gathered piece, into the chunk.
-  void finish_int8(Chunk& chunk) {
-    float* data = static_cast<float*>(chunk.data.get());
-    const char* from =
-        static_cast<const char*>(nodes_ == 2 ? chunk.received.data_ptr() : chunk.dealt.data_ptr());
-    if (nodes_ == 2) {
-      link_->watch->await(*chunk.work);
-      const Int8Layout layout(chunk.n);
-      const void* both[2] = {from, from + layout.bytes()};
-      kernels().dequantize_sum_int8(data, both, 2, layout, chunk.n, 0, layout.blocks);
-      count(int64_t(layout.bytes()));
-      return;
+  std::shared_ptr<Chunk> oldest(bool int8) {
+    TORCH_INTERNAL_ASSERT(!pending_.empty() && pending_.front()->int8 == int8,
+                          "ddpx: a chunk across nodes finished as another kind than it started");
+    std::shared_ptr<Chunk> chunk = std::move(pending_.front());
+    pending_.pop_front();
+    return chunk;
+  }
+
+  // Rounds values [from, from + count) (count <= layout.n) into out, a tile at a time, and zeroes
+  // the rest of the layout.
+  void round_tiles(void* out, const Int8Layout& layout, const Int8Values& values, int64_t from,
+                   int64_t count, float* residual) {
+    for (int64_t lo = 0; lo < layout.n; lo += kTile) {
+      const int64_t len = std::clamp<int64_t>(count - lo, 0, kTile);
+      const float* v = len > 0 ? values(from + lo, len, tile_.data()) : tile_.data();
+      kernels().quantize_int8(out, layout, v, residual ? residual + lo : nullptr, count,
+                              lo / kInt8Block, std::min(layout.blocks, (lo + kTile) / kInt8Block));
     }
-    chunk.gathering.get();  // the link thread's failure, if it had one
-    link_->watch->await(*chunk.work);
-    const Int8Layout layout(chunk.piece);
-    for (int k = 0; k < nodes_; ++k) {
-      const int64_t lo = std::min(chunk.n, k * chunk.piece);
-      const void* piece = from + size_t(k) * layout.bytes();
-      kernels().dequantize_sum_int8(data + lo, &piece, 1, layout,
-                                    std::min(chunk.piece, chunk.n - lo), 0, layout.blocks);
+  }
+
+  // The first count values of nsrc buffers of layout, summed a tile at a time, to put as values
+  // [from, from + count).
+  void sum_tiles(const void* const* srcs, int nsrc, const Int8Layout& layout, int64_t from,
+                 int64_t count, const Int8Sums& put) {
+    for (int64_t lo = 0; lo < count; lo += kTile) {
+      const int64_t len = std::min(kTile, count - lo);
+      kernels().dequantize_sum_int8(tile_.data(), srcs, nsrc, layout, count, lo / kInt8Block,
+                                    (lo + len + kInt8Block - 1) / kInt8Block);
+      put(from + lo, tile_.data(), len);
     }
-    count(2 * (nodes_ - 1) * int64_t(layout.bytes()));
   }
 
   size_t next_lane() { return 2 * (next_lane_++ % (groups_.size() / 2)); }
@@ -403,8 +436,9 @@ class ProcessGroupCrossNode final : public CrossNode {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Link> link_;
   size_t next_lane_ = 0;
-  std::deque<std::shared_ptr<Chunk>> pending_;  // started chunks, oldest first
-  std::deque<Trade> trades_;                    // started trades, oldest first
+  std::vector<float> tile_ = std::vector<float>(kTile);  // the caller's thread's, for int8
+  std::deque<std::shared_ptr<Chunk>> pending_;           // started chunks, oldest first
+  std::deque<Trade> trades_;                             // started trades, oldest first
   at::Tensor words_in_, words_out_;
   c10::intrusive_ptr<c10d::Work> gathering_;
   std::atomic<uint64_t> bytes_sent_{0};
