@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpx import settings
 from ddpx_bench import cli, faults, testbed
 
 from distributed import run_on_two_hosts
@@ -20,7 +21,20 @@ from documents import code_block_commands
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = sorted({command for page in (REPO / "docs").glob("*.md")
                    for command in code_block_commands(page.read_text())})
-BENCH = sorted(command for command in COMMANDS if command.startswith("ddpx-bench "))
+
+
+def bench_words(command: str) -> tuple[dict, list[str]] | None:
+    """A `ddpx-bench` command's settings (the NAME=value words before it) and its arguments;
+    None for any other command."""
+    words = shlex.split(command)
+    env = {}
+    while words and "=" in words[0] and words[0].split("=", 1)[0].isidentifier():
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return (env, words[1:]) if words and words[0] == "ddpx-bench" else None
+
+
+BENCH = sorted(command for command in COMMANDS if bench_words(command) is not None)
 FAULTS = sorted(command for command in COMMANDS
                 if command.startswith("python -m ddpx_bench.faults "))
 # Run on two hosts made with the addresses they name (the other node with its own rank).
@@ -59,8 +73,10 @@ def test_every_command_of_the_docs_is_checked():
 @pytest.mark.parametrize("command", BENCH)
 def test_a_benchmark_command_of_the_docs_is_accepted(command):
     """`ddpx-bench MODE ...` as the page writes it, through everything the tool checks before
-    it runs; --plot needs matplotlib, which the test extras install."""
-    argv = shlex.split(command)[1:]
+    it runs, and any setting before it a ddpx setting; --plot needs matplotlib, which the test
+    extras install."""
+    env, argv = bench_words(command)
+    assert set(env) <= {setting.name for setting in settings.SETTINGS}, env
     args = cli.parse_args(argv)
     assert args.mode == argv[0]
 
