@@ -89,6 +89,7 @@ FAULT = PRELUDE + textwrap.dedent('''
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fault, node, local = sys.argv[2], int(os.environ["GROUP_RANK"]), int(os.environ["LOCAL_RANK"])
     big = torch.ones(25 << 18)  # 25 MiB
+    compression = os.environ.get("COMPRESSION") or None  # bf16: the chunks cross as send/recv
     # The world's engine, which ddpx.all_reduce uses too, with the test's timeout.
     timeout_s = os.environ.get(f"NODE{node}_TIMEOUT_S", os.environ["TIMEOUT_S"])
     state = ddpx.FusedHookState(timeout=timedelta(seconds=float(timeout_s)))
@@ -103,7 +104,7 @@ FAULT = PRELUDE + textwrap.dedent('''
             report("loop")
             while True:
                 if gathers is None:
-                    ddpx.all_reduce(big)
+                    ddpx.all_reduce(big, compression=compression)
                 else:
                     dist.all_gather_into_tensor(gathered, big, group=gathers)
         if fault == "stop" and node == 1 and local == 1:
@@ -120,7 +121,7 @@ FAULT = PRELUDE + textwrap.dedent('''
             while (len([r for r in range(world) if os.path.exists(f"{folder}/error.{r}")]) < 3
                    and time.monotonic() < deadline):
                 time.sleep(0.1)
-        ddpx.all_reduce(big)
+        ddpx.all_reduce(big, compression=compression)
         report("error", error="no error")
     except Exception as error:
         report("error", error=f"{type(error).__name__}: {error}")
@@ -301,8 +302,10 @@ def assert_exited_with_errors(statuses: list, logs: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_a_link_cut_mid_call_raises_on_every_rank_of_both_nodes(tmp_path):
-    at, errors, statuses, logs = run_fault("cut", "100mbit", tmp_path)
+@pytest.mark.parametrize("compression", ["", "bf16"])
+def test_a_link_cut_mid_call_raises_on_every_rank_of_both_nodes(compression, tmp_path):
+    at, errors, statuses, logs = run_fault("cut", "100mbit", tmp_path,
+                                           env={"COMPRESSION": compression})
     assert_ddpx_errors(at, errors, range(4), logs)
     assert_exited_with_errors(statuses, logs)
 
@@ -333,11 +336,15 @@ def test_a_rank_that_raises_instead_of_calling_fails_its_partner_on_the_other_no
 
 
 @pytest.mark.slow
-def test_a_rank_that_gives_up_stops_the_other_nodes_before_their_own_timeout(tmp_path):
+@pytest.mark.parametrize("compression", ["", "bf16"])
+def test_a_rank_that_gives_up_stops_the_other_nodes_before_their_own_timeout(compression,
+                                                                            tmp_path):
     # As above, but node 0's ranks would wait 10 minutes: they are in the check across nodes,
-    # where nothing local wakes them. Rank 2 gives up at node 1's timeout (rank 3 is stopped)
-    # and says so in the job's store; 0 and 1 must raise from that, long before their own.
-    at, errors, _, logs = run_fault("stop", "1gbit", tmp_path, env={"NODE0_TIMEOUT_S": "600"})
+    # where nothing local wakes them (compressed, rank 1 in its receive from rank 3 too). Rank
+    # 2 gives up at node 1's timeout (rank 3 is stopped) and says so in the job's store; 0 and 1
+    # must raise from that, long before their own.
+    at, errors, _, logs = run_fault("stop", "1gbit", tmp_path,
+                                    env={"NODE0_TIMEOUT_S": "600", "COMPRESSION": compression})
     assert_ddpx_errors(at, errors, (0, 1, 2), logs)
     assert "timed out" in errors[2]["error"], errors[2]
     for r in (0, 1):

@@ -63,14 +63,54 @@ void AbortWatch::await(c10d::Work& work) {
   work.wait();
 }
 
+void AbortWatch::await_blocking(c10d::Work& work, std::chrono::milliseconds timeout) {
+  Blocked blocked{&work, Clock::now(), ""};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!theirs_.empty()) C10_THROW_ERROR(DistBackendError, "another rank gave up: " + theirs_);
+    blocked_.push_back(&blocked);
+  }
+  // The wait's own timeout, not this watch's thread, ends it at the deadline: that thread may be
+  // stuck in the store, out of reach behind the same cut link.
+  std::exception_ptr error;
+  bool done = false;
+  try {
+    done = work.wait(timeout);
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    blocked_.remove(&blocked);
+    why = blocked.why;
+  }
+  if (!why.empty()) C10_THROW_ERROR(DistBackendError, why);
+  if (error) std::rethrow_exception(error);
+  TORCH_CHECK(done, "ddpx: a transfer across nodes ended without completing");
+}
+
+bool AbortWatch::abort_blocked_waits() {
+  bool long_wait = false;
+  for (Blocked* b : blocked_) {
+    if (b->why.empty() && !theirs_.empty()) {
+      b->why = "another rank gave up: " + theirs_;
+      b->work->abort();
+    }
+    long_wait = long_wait || Clock::now() - b->start >= kPoll;
+  }
+  return long_wait;
+}
+
 void AbortWatch::loop(std::shared_ptr<AbortWatch> w) {
   std::unique_lock<std::mutex> lock(w->mu_);
   bool said = false;
   while (true) {
     w->cv_.wait_for(lock, kPoll, [&] { return w->stopping_ || (!said && !w->mine_.empty()); });
     if (w->stopping_) return;
+    const bool long_blocked = w->abort_blocked_waits();
     const bool say = !said && !w->mine_.empty();
-    const bool look = w->long_waits_ > 0 && w->theirs_.empty();
+    const bool look = (w->long_waits_ > 0 || long_blocked) && w->theirs_.empty();
     if (!say && !look) continue;
     const std::string mine = w->mine_;
     w->in_store_ = true;
@@ -93,6 +133,7 @@ void AbortWatch::loop(std::shared_ptr<AbortWatch> w) {
     if (!reachable) return;
     said = said || say;
     if (!theirs.empty()) w->theirs_ = theirs;
+    w->abort_blocked_waits();
   }
 }
 

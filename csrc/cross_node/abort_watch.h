@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,9 +31,21 @@ class AbortWatch {
   void give_up(const std::string& why);
   // Waits for a transfer and throws its failure, or why another rank gave up.
   void await(c10d::Work& work);
+  // As await, for a transfer that has no future to wait on (gloo's sends and receives): it
+  // waits in work.wait(timeout), which the watch's thread aborts once another rank has given up.
+  void await_blocking(c10d::Work& work, std::chrono::milliseconds timeout);
 
  private:
+  using Clock = std::chrono::steady_clock;
+  struct Blocked {
+    c10d::Work* work;
+    Clock::time_point start;
+    std::string why;  // why the watch aborted it
+  };
   static void loop(std::shared_ptr<AbortWatch> watch);
+  // Aborts the blocked waits once another rank has given up, and says whether one has lasted
+  // kPoll. Under mu_.
+  bool abort_blocked_waits();
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string key_;
@@ -43,6 +56,7 @@ class AbortWatch {
   std::string mine_;    // why this rank gave up, to be said
   std::string theirs_;  // why a rank gave up, as the store says
   int long_waits_ = 0;  // waits that have lasted kPoll
+  std::list<Blocked*> blocked_;
   bool in_store_ = false;
 };
 

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -28,10 +29,10 @@ constexpr int64_t kTile = 64 * kInt8Block;
 // Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
 // ways and is still summed in float32: an all-to-all deals each node one piece of every node's
 // chunk, each rank sums its piece over the nodes in node order and rounds the sum once, and an
-// all-gather hands the pieces back. Between two nodes one all-gather of the whole chunk carries
-// the same bytes in one round instead of two, and each node sums both chunks in node order and
+// all-gather hands the pieces back. Between two nodes each node sends its whole chunk to the
+// other, the same bytes in one round instead of two, and each sums both chunks in node order and
 // rounds once (faster than dealing and gathering; uncompressed, gloo's all-reduce stays faster
-// than that all-gather: docs/design.md, "Across nodes"). Every rank holding the chunk ends with
+// than trading the chunks: docs/design.md, "Across nodes"). Every rank holding the chunk ends with
 // the same bits, and the bytes on the network are those of the wire dtype. int8 crosses the same
 // way, block-scaled (quantize.h): each rank rounds its chunk (and, among more than two nodes, the
 // summed piece it owns) with error feedback, and every sum is of dequantized float32 in node order.
@@ -120,9 +121,7 @@ class ProcessGroupCrossNode final : public CrossNode {
     kernels().convert(out, wire, chunk->data.get(), acc, n, 1.0, Write::Cached);
     std::memset(out + n * wire_size, 0, size_t(bytes - n * wire_size));
     if (nodes_ == 2) {
-      chunk->received = at::empty({2 * bytes}, at::kByte);
-      chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
-      pending_.push_back(std::move(chunk));
+      trade(std::move(chunk), lane);
       return;
     }
     const size_t piece_bytes = size_t(chunk->piece * wire_size);
@@ -145,9 +144,7 @@ class ProcessGroupCrossNode final : public CrossNode {
       const Int8Layout layout(n);
       chunk->dealt = bytes_like(layout.bytes());
       round_tiles(chunk->dealt.data_ptr(), layout, values, 0, n, residual.get());
-      chunk->received = bytes_like(2 * layout.bytes());
-      chunk->work = ddpx::all_gather(*groups_[lane], chunk->received, chunk->dealt, timeout_);
-      pending_.push_back(std::move(chunk));
+      trade(std::move(chunk), lane);
       return;
     }
     chunk->piece = (n + nodes_ - 1) / nodes_;
@@ -225,19 +222,15 @@ class ProcessGroupCrossNode final : public CrossNode {
     std::shared_ptr<Chunk> chunk = oldest(false);
     const int64_t wire_size = int64_t(dtype_size(chunk->wire));
     if (chunk->wire == chunk->acc) {
-      link_->watch->await(*chunk->work);
+      cross(*chunk);
       count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
       return;
     }
+    cross(*chunk);
     if (nodes_ == 2) {
-      link_->watch->await(*chunk->work);
-      const char* received = static_cast<const char*>(chunk->received.data_ptr());
-      const void* both[2] = {received, received + chunk->n * wire_size};
-      kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both, 2, chunk->wire, chunk->n, 1.0,
-                       Write::Cached);
-    } else {
-      chunk->gathering.get();  // the link thread's failure, if it had one
-      link_->watch->await(*chunk->work);
+      const auto both = in_node_order(*chunk);
+      kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both.data(), 2, chunk->wire, chunk->n,
+                       1.0, Write::Cached);
     }
     kernels().convert(chunk->data.get(), chunk->acc, chunk->dealt.data_ptr(), chunk->wire, chunk->n,
                       1.0, Write::Cached);
@@ -247,17 +240,13 @@ class ProcessGroupCrossNode final : public CrossNode {
   // Both nodes' chunks summed in node order, or every node's gathered piece, to put.
   void finish_reduce_int8(const Int8Sums& put) override {
     std::shared_ptr<Chunk> chunk = oldest(true);
+    cross(*chunk);
     if (nodes_ == 2) {
-      link_->watch->await(*chunk->work);
-      const char* from = static_cast<const char*>(chunk->received.data_ptr());
       const Int8Layout layout(chunk->n);
-      const void* both[2] = {from, from + layout.bytes()};
-      sum_tiles(both, 2, layout, 0, chunk->n, put);
+      sum_tiles(in_node_order(*chunk).data(), 2, layout, 0, chunk->n, put);
       count(int64_t(layout.bytes()));
       return;
     }
-    chunk->gathering.get();  // the link thread's failure, if it had one
-    link_->watch->await(*chunk->work);
     const Int8Layout layout(chunk->piece);
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(chunk->n, k * chunk->piece);
@@ -270,9 +259,7 @@ class ProcessGroupCrossNode final : public CrossNode {
 
   void await_oldest() override {
     TORCH_INTERNAL_ASSERT(!pending_.empty(), "ddpx: no chunk is crossing nodes");
-    Chunk& chunk = *pending_.front();
-    if (chunk.gathering.valid()) chunk.gathering.get();  // the link thread's failure, if it had one
-    link_->watch->await(*chunk.work);
+    cross(*pending_.front());
   }
 
  private:
@@ -284,9 +271,11 @@ class ProcessGroupCrossNode final : public CrossNode {
     int node = 0;                   // this rank's node, whose piece the link thread sums
     std::shared_ptr<float> pieces;  // int8: what the second rounding lost, n elements, or null
     // Compressed: the wire-dtype pieces dealt, received and summed (between two nodes, this
-    // node's chunk and then the sum, and both nodes' chunks).
+    // node's chunk and then the sum, and the other node's chunk).
     at::Tensor dealt, received, mine;
-    c10::intrusive_ptr<c10d::Work> work;  // the transfer under way
+    c10::intrusive_ptr<c10d::Work> work;     // the transfer under way (two nodes: the receive)
+    c10::intrusive_ptr<c10d::Work> sending;  // two nodes, compressed: the send
+    bool crossed = false;                    // work (and sending) waited on
     c10::intrusive_ptr<c10d::ProcessGroup> gathering_group;
     std::promise<void> gathering_started;  // set by the link thread once work gathers
     std::shared_future<void> gathering;
@@ -380,6 +369,40 @@ class ProcessGroupCrossNode final : public CrossNode {
     kernels().quantize_int8(c.mine.data_ptr(), layout, sum.data(),
                             c.pieces ? c.pieces.get() + lo : nullptr, std::min(c.piece, c.n - lo),
                             0, layout.blocks);
+  }
+
+  // Between two nodes a compressed chunk crosses as a send of this node's and a receive of the
+  // other's, which gloo posts at once: all-gathers, run one after another, left the link idle
+  // between chunks (docs/benchmarks.md, "Compressing hooks across a network").
+  void trade(std::shared_ptr<Chunk> chunk, size_t lane) {
+    chunk->received = bytes_like(chunk->dealt.nbytes());
+    const int other = 1 - node();
+    std::vector<at::Tensor> out{chunk->dealt}, in{chunk->received};
+    chunk->work = groups_[lane]->recv(in, other, 0);
+    chunk->sending = groups_[lane]->send(out, other, 0);
+    pending_.push_back(std::move(chunk));
+  }
+
+  // Waits until the chunk has crossed (once: a send or receive is waited on only once), and
+  // throws the link thread's failure or the transfer's.
+  void cross(Chunk& chunk) {
+    if (chunk.crossed) return;
+    if (chunk.gathering.valid()) chunk.gathering.get();
+    if (chunk.sending) {
+      link_->watch->await_blocking(*chunk.work, timeout_);
+      link_->watch->await_blocking(*chunk.sending, timeout_);
+    } else {
+      link_->watch->await(*chunk.work);
+    }
+    chunk.crossed = true;
+  }
+
+  // Between two nodes: both nodes' chunks, node 0's first.
+  std::array<const void*, 2> in_node_order(const Chunk& chunk) const {
+    const void* mine = chunk.dealt.const_data_ptr();
+    const void* theirs = chunk.received.const_data_ptr();
+    return node() == 0 ? std::array<const void*, 2>{mine, theirs}
+                       : std::array<const void*, 2>{theirs, mine};
   }
 
   std::shared_ptr<Chunk> oldest(bool int8) {
