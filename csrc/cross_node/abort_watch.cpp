@@ -91,13 +91,14 @@ void AbortWatch::await_blocking(c10d::Work& work, std::chrono::milliseconds time
 }
 
 bool AbortWatch::abort_blocked_waits() {
+  const auto now = Clock::now();
   bool long_wait = false;
   for (Blocked* b : blocked_) {
     if (b->why.empty() && !theirs_.empty()) {
       b->why = "another rank gave up: " + theirs_;
       b->work->abort();
     }
-    long_wait = long_wait || Clock::now() - b->start >= kPoll;
+    long_wait = long_wait || now - b->start >= kPoll;
   }
   return long_wait;
 }

@@ -220,13 +220,12 @@ class ProcessGroupCrossNode final : public CrossNode {
 
   void finish_reduce() override {
     std::shared_ptr<Chunk> chunk = oldest(false);
+    cross(*chunk);
     const int64_t wire_size = int64_t(dtype_size(chunk->wire));
     if (chunk->wire == chunk->acc) {
-      cross(*chunk);
       count(2 * (nodes_ - 1) * chunk->n * wire_size / nodes_);
       return;
     }
-    cross(*chunk);
     if (nodes_ == 2) {
       const auto both = in_node_order(*chunk);
       kernels().reduce(chunk->dealt.data_ptr(), chunk->wire, both.data(), 2, chunk->wire, chunk->n,
