@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpx import settings
+from ddpx._bucket_steps import BucketSteps, checked_optimizer
 from ddpx._ext import extension
 from ddpx._groups import ddpx_backend, resolve_group
 from ddpx.engine import checked_device, checked_timeout, engine_for, wire_dtype
@@ -146,7 +147,8 @@ def fused_allreduce_hook(
 
 def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=None,
                         compression: str | torch.dtype | None = None,
-                        timeout: timedelta | None = None) -> FusedHookState:
+                        timeout: timedelta | None = None,
+                        optimizer: torch.optim.Optimizer | None = None) -> FusedHookState:
     """Registers ddpx's C++ communication hook on ``ddp_model``: DDP passes each gradient bucket
     to it on the autograd thread, with no Python on that path. ``process_group`` defaults to the
     model's own; ``timeout`` (default: the group's) bounds every wait for a peer. A model takes
@@ -154,6 +156,14 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     dtype every bucket travels in), or "int8": block-scaled int8 between nodes, each rank keeping
     what the rounding lost and sending it with the next step (error feedback), the buckets summed
     uncompressed within a node.
+
+    ``optimizer`` (CPU buckets): steps each bucket's parameters as soon as that bucket is reduced,
+    on a thread of ddpx's, while backward and the other buckets' communication go on; backward
+    returns with every bucket stepped, and the loop's own ``optimizer.step()`` then steps only the
+    parameters no bucket did, so the loop stays as it is. For optimizers that update each
+    parameter from its own gradient (SGD, Adam, AdamW, ...); not with anything that must see every
+    gradient before the step (clipping by their total norm, a GradScaler): the step has happened
+    by then.
 
     Example::
         >>> model = DistributedDataParallel(net)
@@ -178,12 +188,13 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
                                         wire, f"parameter {name}", device)
         if why:
             raise ValueError(why)
+    steps = None if optimizer is None else BucketSteps(checked_optimizer(optimizer, device))
     state = FusedHookState(group, compression, device=device, timeout=timeout)
     if wire is torch.int8:
         state._feedback = extension().ErrorFeedback(list(ddp_model.parameters()))
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,
                                     into_arena=settings.flag("DDPX_COMM_MEMORY"),
-                                    feedback=state._feedback)
+                                    feedback=state._feedback, step=steps)
     state._moves_buckets = settings.flag("DDPX_COMM_MEMORY")
     ddp_model.logger._set_comm_hook_name("ddpx.register_fused_hook")
     return state

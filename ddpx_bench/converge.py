@@ -67,12 +67,13 @@ def bench_converge(args) -> dict:
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
     task = (_MarkovChain if args.model == "gpt" else _Teacher)(initial, args.seed)
     batch_size = args.batch_size or (4 if args.model == "gpt" else 16)
-    models = hooked_models(initial, args.comm_hooks, left_out)
+    models = hooked_models(initial, args.comm_hooks, left_out,
+                           functools.partial(_optimizer, args=args))
     losses = {name: [] for name in models}
     steps_of = {
-        name: functools.partial(_step, model, _optimizer(model, args), task, args.seed,
-                                batch_size, losses[name])
-        for name, (model, _) in models.items()
+        name: functools.partial(_step, model, optimizer, task, args.seed, batch_size,
+                                losses[name])
+        for name, (model, _, optimizer) in models.items()
     }
     steps_in_turns(steps_of, range(args.steps), f"world {dist.get_world_size()}")
     curves = torch.tensor([losses[name] for name in models], dtype=torch.float64)
@@ -81,7 +82,7 @@ def bench_converge(args) -> dict:
     progress("training done; comparing the ranks' parameters")
     nodes = node_count()
     rows = []
-    for (name, (model, describe)), curve in zip(models.items(), curves.tolist(), strict=True):
+    for (name, (model, describe, _)), curve in zip(models.items(), curves.tolist(), strict=True):
         if name == "none":
             describe = "no communication, each rank its own gradients: not a way to train"
         same = same_on_all_ranks(model.module.parameters())
@@ -233,7 +234,7 @@ class Converge(Mode):
     def table(self, rows: list[dict]) -> list[str]:
         lines = format_table([
             ("world", ">5", lambda row: row["world_size"]),
-            ("hook", "<11", lambda row: row["hook"]),
+            ("hook", "<14", lambda row: row["hook"]),
             ("first loss", ">10", lambda row: _format_loss(row["first_loss"])),
             ("final loss", ">10", lambda row: _format_loss(row["final_loss"])),
             ("vs default %", ">12", lambda row: "-" if row["vs_default_pct"] is None

@@ -10,44 +10,48 @@ About 6 minutes on 2 cores at the defaults, half of them torch's bf16 and PowerS
     ddpx-bench train --world_sizes 2 --model gpt --batch_size 2 --comm_hooks backend-mem,none
     ddpx-bench train --link 1gbit --world_sizes 4 --comm_hooks default,bf16,powersgd,ddpx,none
 
-In detail: DDP steps (forward, backward, SGD step) of ddpx_bench.models.MLP with --params
-parameters on --batch_size rows of random data per rank (or, with --model gpt, of
-ddpx_bench.models.GPT on --batch_size sequences of random token ids, with its next-token loss), one
-model per --comm_hooks entry:
-`default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
+In detail: DDP steps (forward, backward, SGD step) of ddpx_bench.models.MLP with --params parameters
+on --batch_size rows of random data per rank (or, with --model gpt, of ddpx_bench.models.GPT on
+--batch_size sequences of random token ids, with its next-token loss), one model per --comm_hooks
+entry: `default` (DDP's own all-reduce), `fp16` and `bf16` (torch's fp16_compress_hook and
 bf16_compress_hook; DDP registers a hook of the latter's name only with NCCL, so it is registered
 through a wrapper, and left out where the backend does not sum bfloat16), `powersgd-r1` and
 `powersgd-r4` (`powersgd`: both; torch's powerSGD_hook of matrix_approximation_rank 1 and 4, with
 its error feedback and warm start, compressing from the third step on, which the default --warmup
 leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16`, `ddpx-int8` (ddpx.register_fused_hook; left out
-where this ddpx lacks the compression), `backend` and `backend-mem` (DDP's own all-reduce, no hook,
-on a group of every rank made with ddpx's backend, each with its own; gradient_as_bucket_view, so
-each .grad is a view of its bucket: `backend` with DDP_DISABLE_COMM_MEM=1, the buckets in ordinary
-memory, which ddpx copies in and out of its buffers; `backend-mem` with DDP_DISABLE_COMM_MEM=0, the
-buckets in ddpx's arena, which it reduces where they lie, zero-copy; the variable is set while DDP
-makes its buckets, at construction and at their rebuild in the second step's forward, and put back
-after; a step after which a gradient lies elsewhere than its bucket should stops the run, and the
-table says how many all-reduces the engine ran zero-copy: some with the arena and none without, else
-exit status 1; `backend-mem` is left out where the backend allocates no tensors: without an
-arena), and `none`, which is not a way to train: a hook that communicates nothing (each rank keeps
-its own gradients), the step's floor that any hook's time is read against (it is timed,
-not checked). The models start from the same seed, see the same data and take turns step by step; a
-sample is one step on the slowest rank, started right after a barrier. Reported: median and p10-p90
-step time in ms, x vs default, and max |diff| of each model's final parameters from the default
-model's with its tolerance: 64 roundings of the gradients to the wire dtype (64 u_wire x the largest
-parameter change of the default model) and of the parameters to float32 (64 u_fp32 x the largest
-parameter); PowerSGD's |diff| has no tolerance, as it is not a rounding of the gradients.
-Parameters that differ across ranks, or from default's beyond the tolerance, make the run exit
-with status 1 after the table. On the testbed (--link), each node's local rank 0 reads its
-interface's byte counters around each step (from the barrier before it to one after it): link
-MB/step is what a node sent per timed step, the mean over the steps and the nodes, and bytes vs
-fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its step went
-beyond `none`'s: its engine's thread on node work (sums, hand-outs) and waiting for the link.
+where this ddpx lacks the compression), `ddpx+step`, `ddpx-bf16+step`, `ddpx-int8+step` (the same,
+with register_fused_hook(optimizer=...): the SGD step of each bucket's parameters taken as soon as
+that bucket is reduced, in flight; `steps` for the three), `backend` and `backend-mem` (DDP's own
+all-reduce, no hook, on a group of every rank made with ddpx's backend, each with its own;
+gradient_as_bucket_view, so each .grad is a view of its bucket: `backend` with
+DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out of its buffers;
+`backend-mem` with DDP_DISABLE_COMM_MEM=0, the buckets in ddpx's arena, which it reduces where they
+lie, zero-copy; the variable is set while DDP makes its buckets, at construction and at their
+rebuild in the second step's forward, and put back after; a step after which a gradient lies
+elsewhere than its bucket should stops the run, and the table says how many all-reduces the engine
+ran zero-copy: some with the arena and none without, else exit status 1; `backend-mem` is left out
+where the backend allocates no tensors: without an arena), and `none`, which is not a way to train:
+a hook that communicates nothing (each rank keeps its own gradients), the step's floor that any
+hook's time is read against (it is timed, not checked). The models start from the same seed, see the
+same data and take turns step by step; a sample is one step on the slowest rank, started right after
+a barrier. Reported: median and p10-p90 step time in ms, x vs default, and max |diff| of each
+model's final parameters from the default model's with its tolerance: 64 roundings of the gradients
+to the wire dtype (64 u_wire x the largest parameter change of the default model) and of the
+parameters to float32 (64 u_fp32 x the largest parameter); PowerSGD's |diff| has no tolerance, as it
+is not a rounding of the gradients. Parameters that differ across ranks, or from default's beyond
+the tolerance, make the run exit with status 1 after the table. On the testbed (--link), each node's
+local rank 0 reads its interface's byte counters around each step (from the barrier before it to one
+after it): link MB/step is what a node sent per timed step, the mean over the steps and the nodes,
+and bytes vs fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its
+step went beyond `none`'s: its engine's thread on node work (sums, hand-outs) and waiting for the
+link.
 """
 
 import copy
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -84,10 +88,13 @@ from ddpx_bench.report import (
     tcp_line,
 )
 
+# A ddpx hook's name with this after it: the optimizer steps each bucket in flight.
+IN_FLIGHT = "+step"
+STEPPED_IN_FLIGHT = tuple(f"{hook}{IN_FLIGHT}" for hook in ("ddpx", "ddpx-bf16", "ddpx-int8"))
 COMM_HOOKS = ("default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-fp16",
-              "ddpx-bf16", "ddpx-int8", "backend", "backend-mem", "none")
+              "ddpx-bf16", "ddpx-int8", *STEPPED_IN_FLIGHT, "backend", "backend-mem", "none")
 # What --comm_hooks takes for several hooks.
-HOOK_SHORTHANDS = {"powersgd": ("powersgd-r1", "powersgd-r4")}
+HOOK_SHORTHANDS = {"powersgd": ("powersgd-r1", "powersgd-r4"), "steps": STEPPED_IN_FLIGHT}
 # torch's PowerSGD: hook name -> matrix_approximation_rank.
 POWERSGD_RANKS = {"powersgd-r1": 1, "powersgd-r4": 4}
 # The first step PowerSGD compresses (0-based): the earliest it takes with error feedback and warm
@@ -100,16 +107,29 @@ BACKEND_HOOKS = {"backend": False, "backend-mem": True}
 PARAM_TOLERANCE_ROUNDINGS = 64
 
 
+class Hooked(NamedTuple):
+    """A DDP model with a comm hook, what the hook does, and the model's optimizer."""
+
+    model: DDP
+    describe: str
+    optimizer: torch.optim.Optimizer
+
+
+def sgd(lr: float):
+    """The optimizer `ddpx-bench train` steps each model with: plain SGD of learning rate `lr`."""
+    return lambda model: torch.optim.SGD(model.parameters(), lr=lr)
+
+
 def bench_train(args) -> dict:
     left_out, failures = {}, []
     torch.manual_seed(args.seed)
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
-    models = hooked_models(initial, args.comm_hooks, left_out)
+    models = hooked_models(initial, args.comm_hooks, left_out, sgd(args.lr))
     traffic = link_traffic()
     engine_times = EngineTimes(models)
     cpu = {}
-    samples = timed_steps(models, _train_batches(initial, args), args.lr, args.warmup,
-                          args.steps, traffic, engine_times, cpu)
+    samples = timed_steps(models, _train_batches(initial, args), args.warmup, args.steps, traffic,
+                          engine_times, cpu)
     rows = _train_rows(initial, models, samples, args, failures)
     for row in rows:
         spent = [sum(column) for column in zip(*cpu[row["hook"]][args.warmup:], strict=True)]
@@ -132,11 +152,13 @@ def trace(models: dict, batches: list[torch.Tensor], path: str) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        for name, (model, _) in models.items():
+        for name, (model, _, optimizer) in models.items():
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
             if dist.get_world_size() > 1:
                 dist.barrier()
             with record_function(f"ddpx-bench step: {name}"):
-                _step(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, 0)
+                _step(model, optimizer, batches, 0)
     if dist.get_rank() == 0:
         profiler.export_chrome_trace(path)
 
@@ -148,7 +170,7 @@ class EngineTimes:
 
     def __init__(self, models: dict):
         self.engines = {}
-        for name, (model, _) in models.items():
+        for name, (model, _, _) in models.items():
             if not name.startswith("ddpx"):
                 continue
             engine = ddpx.engine.engine_for(model.process_group)
@@ -179,9 +201,10 @@ class EngineTimes:
             row["engine_node_ms"], row["engine_link_wait_ms"] = mine.tolist()
 
 
-def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) -> dict:
-    """A DDP copy of `initial` (on its device) per hook that works here: name -> (model, what its
-    hook does). tools/gpu_report.py uses it too."""
+def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict,
+                  optimizer: Callable[[DDP], torch.optim.Optimizer]) -> dict:
+    """A DDP copy of `initial` (on its device) per hook that works here, with its `optimizer`:
+    name -> Hooked. tools/gpu_report.py uses it too."""
     device = next(initial.parameters()).device
     models = {}
     for name in hooks:
@@ -190,18 +213,19 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict) ->
             if entry is None:
                 left_out[name] = why_not
             else:
-                models[name] = entry
+                models[name] = Hooked(*entry, optimizer(entry[0]))
             continue
         model = DDP(copy.deepcopy(initial),
                     device_ids=[device.index] if device.type == "cuda" else None)
+        stepper = optimizer(model)
         try:
-            models[name] = model, _register_hook(name, model)
+            models[name] = Hooked(model, _register_hook(name, model, stepper), stepper)
         # NotImplementedError: a ddpx compression not built yet, or a backend that cannot
         # all-reduce bfloat16; TypeError: DDP refuses a hook.
         except (NotImplementedError, TypeError) as exc:
             left_out[name] = str(exc)
         except ValueError as exc:  # a compression this ddpx does not know yet
-            if not (name.startswith("ddpx") and f"compression={WIRE[name]!r}" in str(exc)):
+            if not (name.startswith("ddpx") and f"compression={_wire(name)!r}" in str(exc)):
                 raise
             left_out[name] = str(exc).splitlines()[0]
     return models
@@ -259,18 +283,17 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
                    f"(DDP_DISABLE_COMM_MEM={flag}), gradient_as_bucket_view"), ""
 
 
-def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: int,
-                steps: int, traffic=None, engine_times: EngineTimes | None = None,
+def timed_steps(models: dict, batches: list[torch.Tensor], warmup: int, steps: int,
+                traffic=None, engine_times: EngineTimes | None = None,
                 cpu: dict | None = None) -> dict:
-    """`warmup` + `steps` SGD steps (learning rate `lr`) of every model in turn, on `batches` in
-    rotation: name -> this rank's seconds for each step after the warm-up (slowest_rank_stats
-    makes them the slowest rank's); `traffic` (common.link_traffic's) counts each step's bytes
-    on the link, `engine_times` where a ddpx engine's time went, `cpu` the machine's CPU time in
-    each step, warm-up included (steps_in_turns). tools/gpu_report.py uses it too."""
-    steps_of = {
-        name: functools.partial(_step, model, torch.optim.SGD(model.parameters(), lr=lr), batches)
-        for name, (model, _) in models.items()
-    }
+    """`warmup` + `steps` steps of every model (hooked_models') with its optimizer in turn, on
+    `batches` in rotation: name -> this rank's seconds for each step after the warm-up
+    (slowest_rank_stats makes them the slowest rank's); `traffic` (common.link_traffic's) counts
+    each step's bytes on the link, `engine_times` where a ddpx engine's time went, `cpu` the
+    machine's CPU time in each step, warm-up included (steps_in_turns). tools/gpu_report.py uses it
+    too."""
+    steps_of = {name: functools.partial(_step, model, optimizer, batches)
+                for name, (model, _, optimizer) in models.items()}
     if engine_times is not None:
         steps_of = {name: engine_times.timing(name, step) for name, step in steps_of.items()}
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
@@ -278,15 +301,20 @@ def timed_steps(models: dict, batches: list[torch.Tensor], lr: float, warmup: in
     return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
-def _register_hook(name: str, model: DDP) -> str:
-    """Register the comm hook `name` on `model`; say what it does."""
+def _register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer) -> str:
+    """Register the comm hook `name` on `model` (stepping `optimizer` per bucket where the name
+    says so); say what it does."""
     if name == "default":
         return "DDP's built-in all-reduce"
     if name == "none":
         model.register_comm_hook(None, _no_communication_hook)
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
-        return ddpx.register_fused_hook(model, compression=WIRE[name]).describe()
+        in_flight = name.endswith(IN_FLIGHT)
+        state = ddpx.register_fused_hook(model, compression=_wire(name),
+                                         optimizer=optimizer if in_flight else None)
+        steps = "; the optimizer steps each bucket in flight" if in_flight else ""
+        return state.describe() + steps
     if name in POWERSGD_RANKS:
         state = _InOrderState(powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=POWERSGD_RANKS[name],
@@ -392,7 +420,7 @@ def _train_rows(initial, models: dict, samples: dict, args, failures: list[str])
     diffs = diffs_from_default(initial, checked)
     nodes = node_count()
     rows = []
-    for name, (model, describe) in models.items():
+    for name, (model, describe, _) in models.items():
         row = {
             "world_size": dist.get_world_size(),
             "nodes": nodes,
@@ -453,18 +481,23 @@ def diffs_from_default(initial: torch.nn.Module, models: dict) -> dict:
     model, description); `initial` is on the models' device. tools/gpu_report.py uses it too."""
     if "default" not in models:
         return {}
-    default = models["default"][0].module
+    default = models["default"].model.module
     moved = _max_abs_diff(default, initial)
     largest = max(p.abs().max().item() for p in default.parameters())
     diffs = {}
-    for name, (model, _) in models.items():
+    for name, (model, _, _) in models.items():
         # Gradients are rounded to the wire dtype, and updated parameters to float32.
-        rounding = UNIT_ROUNDOFF[WIRE[name]] * moved + UNIT_ROUNDOFF[None] * largest
+        rounding = UNIT_ROUNDOFF[_wire(name)] * moved + UNIT_ROUNDOFF[None] * largest
         diffs[name] = {
             "max_abs_diff": _max_abs_diff(model.module, default),
             "tolerance": None if name in POWERSGD_RANKS else PARAM_TOLERANCE_ROUNDINGS * rounding,
         }
     return diffs
+
+
+def _wire(name: str) -> str | None:
+    """The wire dtype of hook `name`, stepping in flight or not."""
+    return WIRE[name.removesuffix(IN_FLIGHT)]
 
 
 def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -515,7 +548,7 @@ class Train(Mode):
         ]
         lines = format_table([
             ("world", ">5", lambda row: row["world_size"]),
-            ("hook", "<11", lambda row: row["hook"]),
+            ("hook", "<14", lambda row: row["hook"]),
             ("median ms", ">10", lambda row: f"{row['median_ms']:.1f}"),
             ("p10-p90 ms", ">13", lambda row: format_spread(row, 1)),
             ("x vs default", ">12", lambda row: format_ratio(row["x_vs_default"])),

@@ -32,19 +32,32 @@ class Net(nn.Module):
         return self.body(x)
 
 
-def register(model, hook: str, compression: str | None = None) -> None:
-    """Put the hook named `hook` on a DDP model: "cpp" (register_fused_hook), "python"
-    (fused_allreduce_hook), or "default" (none: DDP's own all-reduce)."""
+# The optimizers the steps in flight are checked with: state per parameter (momentum, Adam's
+# moments and step count), and weight decay, which moves a parameter whatever its gradient.
+OPTIMIZERS = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.1),
+    "SGD momentum": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                   weight_decay=0.01),
+    "AdamW": lambda params: torch.optim.AdamW(params, lr=0.01),
+}
+
+
+def register(model, hook: str, compression: str | None = None, optimizer=None) -> None:
+    """Put the hook named `hook` on a DDP model: "cpp" (register_fused_hook), "cpp-steps" (the
+    same, stepping `optimizer` per bucket), "python" (fused_allreduce_hook), or "default" (none:
+    DDP's own all-reduce)."""
     import ddpx
 
     if hook == "cpp":
         ddpx.register_fused_hook(model, compression=compression)
+    elif hook == "cpp-steps":
+        ddpx.register_fused_hook(model, compression=compression, optimizer=optimizer)
     elif hook == "python":
         model.register_comm_hook(ddpx.FusedHookState(compression=compression),
                                  ddpx.fused_allreduce_hook)
 
 
-def train(rank, hook, options):
+def train(rank, hook, options, optimizer_name="SGD", with_state=False):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,25 +69,33 @@ def train(rank, hook, options):
     if not options.get("find_unused_parameters"):
         net.unused.requires_grad_(False)
     model = DDP(net, **options)
-    register(model, hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    register(model, hook, optimizer=optimizer)
     data = torch.Generator().manual_seed(100 + rank)
     first_grads = None
+    moved = []  # per backward: which parameters it moved (with cpp-steps, the sync ones should)
     for _ in range(STEPS):
         for micro in range(accumulate):
             x = torch.randn(16, 32, generator=data)
             y = torch.randn(16, 8, generator=data)
+            before = [p.detach().clone() for p in net.parameters()]
             if micro < accumulate - 1:
                 with model.no_sync():
                     nn.functional.mse_loss(model(x), y).backward()
             else:
                 nn.functional.mse_loss(model(x), y).backward()
+            pairs = zip(net.parameters(), before, strict=True)
+            moved.append([not torch.equal(p, b) for p, b in pairs])
         if first_grads is None:
             first_grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     dist.barrier()
-    return first_grads, [p.detach().clone() for p in net.parameters()]
+    params = [p.detach().clone() for p in net.parameters()]
+    if with_state:
+        with_grads = [p.grad is not None for p in net.parameters()]
+        return first_grads, params, optimizer.state_dict()["state"], moved, with_grads
+    return first_grads, params
 
 
 def compare_hooks(rank, world, option_names):
@@ -114,6 +135,73 @@ def test_hook_matches_default_allreduce_on_2_ranks():
 def test_hook_matches_default_allreduce_on_more_ranks(world):
     names = ["many buckets", "unused parameters", "no_sync accumulation"]
     assert_matches_default(run_ranks(compare_hooks, world, names))
+
+
+def steps_in_flight(rank, world):
+    return {(name, optimizer, hook): train(rank, hook, OPTIONS[name], optimizer, with_state=True)
+            for name in OPTIONS for optimizer in OPTIMIZERS for hook in ("cpp", "cpp-steps")}
+
+
+def test_optimizer_stepping_each_bucket_gives_the_loops_bits():
+    """register_fused_hook(optimizer=...) steps each bucket's parameters once it is reduced, and
+    the loop's optimizer.step() after backward steps none of them again: the gradients, the
+    parameters and the optimizer's state are the bits of the same hook with the step after
+    backward (the same reduced gradients, the same elementwise update), through every DDP option
+    above (an unused parameter, which has no gradient, stays unstepped in both), on every rank.
+    And the steps are taken in flight: each backward that reduces the buckets (not one under
+    no_sync) has moved every parameter with a gradient by the time it returns, and only those."""
+    runs = run_ranks(steps_in_flight, 2)
+    for rank_runs in runs:
+        for (name, optimizer, hook), (grads, params, state, moved, with_grads) in \
+                rank_runs.items():
+            what = f"{name}/{optimizer}/{hook}"
+            accumulate = OPTIONS[name].get("accumulate", 1)
+            for index, moved_params in enumerate(moved):
+                syncs = index % accumulate == accumulate - 1
+                stepped = hook == "cpp-steps" and syncs
+                expected = with_grads if stepped else [False] * len(with_grads)
+                assert moved_params == expected, f"{what}: backward {index} moved {moved_params}"
+            if hook == "cpp":
+                continue
+            ref_grads, ref_params, ref_state, _, _ = rank_runs[(name, optimizer, "cpp")]
+            for g, ref in zip(grads, ref_grads, strict=True):
+                assert torch.equal(g, ref), f"{what}: gradients"
+            for p, ref in zip(params, ref_params, strict=True):
+                assert torch.equal(p, ref), f"{what}: parameters"
+            assert state.keys() == ref_state.keys(), f"{what}: stepped parameters"
+            for index, values in state.items():
+                for key, value in values.items():
+                    assert torch.equal(value, ref_state[index][key]), f"{what}: state {key}"
+    for key, (_, params, *_) in runs[0].items():
+        for p, q in zip(params, runs[1][key][1], strict=True):
+            assert torch.equal(p, q), f"{key}: ranks hold different parameters"
+
+
+class _FailingStep(torch.optim.SGD):
+    def step(self, closure=None):
+        raise ArithmeticError("this optimizer cannot step")
+
+
+def step_errors(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpx
+
+    net = Net().body
+    with pytest.raises(TypeError, match=r"optimizer= takes a torch\.optim\.Optimizer"):
+        ddpx.register_fused_hook(DDP(net), optimizer=object())
+    with pytest.raises(ValueError, match="LBFGS cannot step a bucket's parameters alone"):
+        ddpx.register_fused_hook(DDP(net), optimizer=torch.optim.LBFGS(net.parameters()))
+    model = DDP(net)
+    ddpx.register_fused_hook(model, optimizer=_FailingStep(net.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="the optimizer's step of a bucket: .*cannot step"):
+        model(torch.ones(2, 32)).sum().backward()
+
+
+def test_a_failing_step_in_flight_fails_backward_on_every_rank():
+    """An optimizer that cannot step per bucket is refused at registration; one whose step
+    raises fails the backward that ran it, with its error, on every rank, and nothing hangs."""
+    run_ranks(step_errors, 2)
 
 
 def registration_errors(rank, world):

@@ -127,7 +127,7 @@ def int8_job(tmp):
 def resume_job(tmp):
     """Trains 6 steps straight, and 3 + 3 with a checkpoint between (model, optimizer, the
     hook's state, each rank its own file), the second half a new DDP model as a resumed job
-    makes one."""
+    makes one; and 6 straight with the optimizer stepping each bucket in flight."""
     import ddpx
 
     dist.init_process_group("gloo")
@@ -135,13 +135,15 @@ def resume_job(tmp):
     data = [torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * rank + s))
             for s in range(6)]
 
-    def start():
+    def start(in_flight=False):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
                                   torch.nn.Linear(128, 64))
         ddp = DDP(net, bucket_cap_mb=0.02)
-        state = ddpx.register_fused_hook(ddp, compression="int8")
-        return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        state = ddpx.register_fused_hook(ddp, compression="int8",
+                                         optimizer=optimizer if in_flight else None)
+        return ddp, state, optimizer
 
     def train(ddp, optimizer, steps):
         for s in steps:
@@ -151,6 +153,8 @@ def resume_job(tmp):
 
     straight, _, optimizer = start()
     train(straight, optimizer, range(6))
+    in_flight, _, optimizer = start(in_flight=True)
+    train(in_flight, optimizer, range(6))
     first, state, optimizer = start()
     train(first, optimizer, range(3))
     path = Path(tmp) / f"hook_rank{rank}.pt"
@@ -168,7 +172,8 @@ def resume_job(tmp):
     optimizer.load_state_dict(saved["optimizer"])
     train(fresh, optimizer, range(3, 6))
     flat = {name: torch.cat([p.detach().flatten() for p in m.parameters()]).tolist()
-            for name, m in (("straight", straight), ("resumed", resumed), ("fresh", fresh))}
+            for name, m in (("straight", straight), ("resumed", resumed), ("fresh", fresh),
+                            ("in flight", in_flight))}
     try:
         state.load_state_dict({**saved["hook"], "rank": (rank + 1) % 4})
         flat["wrong rank"] = "no error"
@@ -233,6 +238,8 @@ def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(tmp_path):
     for rank, result in enumerate(results):
         assert result["buckets"] >= 2
         assert result["resumed"] == result["straight"], f"rank {rank}: resumed run differs"
+        # Buckets stepped as they come back over the link, some while the next ones cross.
+        assert result["in flight"] == result["straight"], f"rank {rank}: steps in flight differ"
         # Without the residuals the run goes on with other bits: the state is what carries them.
         assert result["fresh"] != result["straight"]
         assert "load the file this rank saved" in result["wrong rank"], result["wrong rank"]

@@ -141,19 +141,19 @@ def train_speeds(device: torch.device, params: int = TRAIN_PARAMS
     step by step: rows, hooks left out (with why), failures."""
     from ddpx_bench.common import slowest_rank_stats
     from ddpx_bench.models import MLP
-    from ddpx_bench.train import diffs_from_default, hooked_models, timed_steps
+    from ddpx_bench.train import diffs_from_default, hooked_models, sgd, timed_steps
 
     torch.manual_seed(0)
     initial = MLP.with_params(params).to(device)
     left_out = {}
-    models = hooked_models(initial, TRAIN_HOOKS, left_out)
+    models = hooked_models(initial, TRAIN_HOOKS, left_out, sgd(TRAIN_LR))
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randn(TRAIN_BATCH, initial.width, generator=generator).to(device)
                for _ in range(4)]
-    samples = timed_steps(models, batches, TRAIN_LR, TRAIN_WARMUP, TRAIN_STEPS)
+    samples = timed_steps(models, batches, TRAIN_WARMUP, TRAIN_STEPS)
     diffs = diffs_from_default(initial, models)
     rows, failures = [], []
-    for name, (_, describe) in models.items():
+    for name, (_, describe, _) in models.items():
         row = {"hook": name, "describe": describe,
                "params": sum(p.numel() for p in initial.parameters()),
                "batch_size": TRAIN_BATCH, "steps": TRAIN_WARMUP + TRAIN_STEPS,

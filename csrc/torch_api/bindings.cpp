@@ -391,13 +391,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "register_fused_hook",
       [](c10d::Reducer& reducer, std::shared_ptr<Engine> engine, double scale,
          std::optional<at::ScalarType> wire, bool into_arena,
-         std::shared_ptr<ErrorFeedback> feedback) {
+         std::shared_ptr<ErrorFeedback> feedback, std::optional<py::function> step) {
         const bool adopt = into_arena && engine->serves_arena();
-        reducer.register_comm_hook(std::make_unique<FusedHook>(
-            FusedHookConfig{std::move(engine), scale, wire, adopt, std::move(feedback)}));
+        std::shared_ptr<BucketSteps> steps;
+        if (step) {
+          // The steps run, and the function may be dropped, on threads that do not hold the GIL.
+          std::shared_ptr<py::function> held(new py::function(std::move(*step)),
+                                             [](py::function* f) {
+                                               py::gil_scoped_acquire gil;
+                                               delete f;
+                                             });
+          steps = std::make_shared<BucketSteps>();
+          steps->step = [held](const std::vector<at::Tensor>& gradients,
+                               const std::vector<at::Tensor>& parameters) {
+            py::gil_scoped_acquire gil;
+            try {
+              (*held)(gradients, parameters);
+            } catch (py::error_already_set& e) {
+              throw std::runtime_error(std::string("ddpx: the optimizer's step of a bucket: ") +
+                                       e.what());
+            }
+          };
+        }
+        reducer.register_comm_hook(std::make_unique<FusedHook>(FusedHookConfig{
+            std::move(engine), scale, wire, adopt, std::move(feedback), std::move(steps)}));
       },
       py::arg("reducer"), py::arg("engine"), py::arg("scale"), py::arg("wire"),
-      py::arg("into_arena"), py::arg("feedback") = nullptr);
+      py::arg("into_arena"), py::arg("feedback") = nullptr, py::arg("step") = py::none());
   py::class_<ErrorFeedback, std::shared_ptr<ErrorFeedback>>(m, "ErrorFeedback", py::module_local())
       .def(py::init<const std::vector<at::Tensor>&>(), py::arg("parameters"))
       .def("state", &ErrorFeedback::state)

@@ -5,17 +5,58 @@
 // (Engine::run_async), uncompressed.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 #include "../engine/engine.h"
 #include "../node/arena.h"
 #include "error_feedback.h"
 
 namespace ddpx {
+
+// register_fused_hook(optimizer=...): the optimizer steps a bucket's parameters (given its
+// reduced gradients, views of the bucket) once the bucket is reduced. The steps run on ATen's
+// inter-op threads, not the engine's, whose next buckets' sums go on meanwhile, and one at a
+// time: they share the optimizer.
+struct BucketSteps : std::enable_shared_from_this<BucketSteps> {
+  using Step = std::function<void(const std::vector<at::Tensor>& gradients,
+                                  const std::vector<at::Tensor>& parameters)>;
+  Step step;
+  std::mutex one_at_a_time;
+
+  // A future that completes with `reduced`'s value once the optimizer has stepped the bucket's
+  // parameters, or with the reduction's error, or the step's.
+  c10::intrusive_ptr<c10::ivalue::Future> after(
+      const c10::intrusive_ptr<c10::ivalue::Future>& reduced, const c10d::GradBucket& bucket) {
+    auto self = shared_from_this();
+    auto stepped = c10::make_intrusive<c10::ivalue::Future>(reduced->elementType());
+    reduced->addCallback([self, stepped, gradients = bucket.getGradients(),
+                          parameters = bucket.getParameters()](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        stepped->setError(done.exception_ptr());
+        return;
+      }
+      at::launch([self, stepped, gradients, parameters, value = done.value()] {
+        try {
+          std::lock_guard<std::mutex> lock(self->one_at_a_time);
+          self->step(gradients, parameters);
+        } catch (...) {
+          stepped->setError(std::current_exception());
+          return;
+        }
+        stepped->markCompleted(value);
+      });
+    });
+    return stepped;
+  }
+};
 
 struct FusedHookConfig {
   std::shared_ptr<Engine> engine;
@@ -25,6 +66,8 @@ struct FusedHookConfig {
   bool into_arena;
   // compression="int8": each bucket's residual, carried from step to step; else null.
   std::shared_ptr<ErrorFeedback> feedback;
+  // optimizer=...: steps each bucket's parameters once it is reduced; else null.
+  std::shared_ptr<BucketSteps> steps;
 };
 
 class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
@@ -33,6 +76,13 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     RECORD_FUNCTION("ddpx::fused_hook", std::vector<c10::IValue>());
+    auto reduced = reduce(bucket);
+    if (!state_.steps) return reduced;
+    return state_.steps->after(reduced, bucket);
+  }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> reduce(c10d::GradBucket& bucket) {
     // DDP allocated the bucket in ordinary memory (its group is not ddpx's, or comm memory is
     // off): from here on it lies in the arena, and so do the gradients that view it, so this
     // all-reduce and every later one of the bucket copy nothing in or out. DDP's rebuilt buckets

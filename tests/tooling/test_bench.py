@@ -720,8 +720,8 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "backend",
-             "backend-mem", "none"]
+    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "ddpx+step",
+             "backend", "backend-mem", "none"]
     hooks = [*typed[:3], "powersgd-r1", "powersgd-r4", *typed[4:]]
     # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
     # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
@@ -747,6 +747,9 @@ def test_train(tmp_path):
             continue
         assert 0 <= row["max_abs_diff"] <= row["tolerance"]
     assert rows["default"]["max_abs_diff"] == 0
+    # The same reduced gradients, stepped bucket by bucket in flight: the same bits.
+    assert rows["ddpx+step"]["max_abs_diff"] == rows["ddpx"]["max_abs_diff"]
+    assert "the optimizer steps each bucket in flight" in rows["ddpx+step"]["describe"]
     if "ddpx-int8" in document["left_out"]:  # until ddpx has the compression
         assert "compression='int8'" in document["left_out"]["ddpx-int8"]
     assert "x vs default" in stdout and "link MB/step" not in stdout
@@ -773,6 +776,8 @@ def test_powersgd_stands_for_both_ranks_where_it_is_typed():
     assert hooks("train", "--comm_hooks", "default,powersgd,none") == [
         "default", "powersgd-r1", "powersgd-r4", "none"]
     assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
+    assert hooks("train", "--comm_hooks", "ddpx,steps") == [
+        "ddpx", "ddpx+step", "ddpx-bf16+step", "ddpx-int8+step"]
     assert hooks("converge") == ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx",
                                  "ddpx-bf16", "ddpx-int8", "none"]
     assert {"powersgd-r1", "powersgd-r4", "ddpx-int8"} <= set(hooks("train"))
