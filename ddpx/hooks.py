@@ -29,7 +29,7 @@ class FusedHookState:
     each rank saves and loads its own."""
 
     __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine", "_moves_buckets",
-                 "_feedback")
+                 "_feedback", "_optimizer")
 
     def __init__(self, process_group=None, compression: str | torch.dtype | None = None, *,
                  device: str = "cpu", timeout: timedelta | None = None):
@@ -39,6 +39,7 @@ class FusedHookState:
         self._group, self._engine = process_group, None
         self._moves_buckets = False  # register_fused_hook's hook moves buckets into the arena
         self._feedback = None  # int8's residuals, per bucket (register_fused_hook)
+        self._optimizer = ""  # register_fused_hook(optimizer=...): where it steps, in words
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             resolve_group(process_group, "process_group")
             self._engine = engine_for(process_group, self.device, self.timeout)
@@ -99,7 +100,7 @@ class FusedHookState:
         why_not = self._why_not_zero_copy()
         zero_copy = (f"zero-copy: no ({why_not})" if why_not else
                      f"zero-copy: yes ({engine.zero_copy_calls} calls so far)")
-        line = f"{path}; {wire}; {zero_copy}"
+        line = f"{path}; {wire}; {zero_copy}{self._optimizer}"
         return f"{line}\n{engine.describe()}" if details else line
 
     def _why_not_zero_copy(self) -> str:
@@ -157,13 +158,13 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     what the rounding lost and sending it with the next step (error feedback), the buckets summed
     uncompressed within a node.
 
-    ``optimizer`` (CPU buckets): steps each bucket's parameters as soon as that bucket is reduced,
-    on a thread of ddpx's, while backward and the other buckets' communication go on; backward
+    ``optimizer`` (CPU buckets): across nodes, steps each bucket's parameters once that bucket is
+    reduced, in the time ddpx's engine waits for the link to bring the last bucket back; backward
     returns with every bucket stepped, and the loop's own ``optimizer.step()`` then steps only the
-    parameters no bucket did, so the loop stays as it is. For optimizers that update each
-    parameter from its own gradient (SGD, Adam, AdamW, ...); not with anything that must see every
-    gradient before the step (clipping by their total norm, a GradScaler): the step has happened
-    by then.
+    parameters no bucket did, so the loop stays as it is. On one node, where there is no wait to
+    fill, the loop's step does it all, as without it. For optimizers that update each parameter
+    from its own gradient (SGD, Adam, AdamW, ...); not with anything that must see every gradient
+    before the step (clipping by their total norm, a GradScaler): the step has happened by then.
 
     Example::
         >>> model = DistributedDataParallel(net)
@@ -188,8 +189,14 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
                                         wire, f"parameter {name}", device)
         if why:
             raise ValueError(why)
-    steps = None if optimizer is None else BucketSteps(checked_optimizer(optimizer, device))
+    optimizer = None if optimizer is None else checked_optimizer(optimizer, device)
     state = FusedHookState(group, compression, device=device, timeout=timeout)
+    steps = None
+    if optimizer is not None and getattr(state.engine, "nodes", 1) > 1:
+        steps = BucketSteps(optimizer)
+        state._optimizer = "; the optimizer steps each bucket in flight"
+    elif optimizer is not None:
+        state._optimizer = "; the optimizer steps after backward (one node: no link to wait for)"
     if wire is torch.int8:
         state._feedback = extension().ErrorFeedback(list(ddp_model.parameters()))
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,

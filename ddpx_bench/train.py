@@ -20,9 +20,9 @@ through a wrapper, and left out where the backend does not sum bfloat16), `power
 its error feedback and warm start, compressing from the third step on, which the default --warmup
 leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16`, `ddpx-int8` (ddpx.register_fused_hook; left out
 where this ddpx lacks the compression), `ddpx+step`, `ddpx-bf16+step`, `ddpx-int8+step` (the same,
-with register_fused_hook(optimizer=...): the SGD step of each bucket's parameters taken as soon as
-that bucket is reduced, in flight; `steps` for the three), `backend` and `backend-mem` (DDP's own
-all-reduce, no hook, on a group of every rank made with ddpx's backend, each with its own;
+with register_fused_hook(optimizer=...): across nodes the SGD step of each bucket's parameters taken
+in flight, once that bucket is reduced; `steps` for the three), `backend` and `backend-mem` (DDP's
+own all-reduce, no hook, on a group of every rank made with ddpx's backend, each with its own;
 gradient_as_bucket_view, so each .grad is a view of its bucket: `backend` with
 DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out of its buffers;
 `backend-mem` with DDP_DISABLE_COMM_MEM=0, the buckets in ddpx's arena, which it reduces where they
@@ -43,8 +43,8 @@ the tolerance, make the run exit with status 1 after the table. On the testbed (
 local rank 0 reads its interface's byte counters around each step (from the barrier before it to one
 after it): link MB/step is what a node sent per timed step, the mean over the steps and the nodes,
 and bytes vs fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its
-step went beyond `none`'s: its engine's thread on node work (sums, hand-outs) and waiting for the
-link.
+step went beyond `none`'s: its engine's thread on node work (sums, hand-outs), waiting for the link,
+and (the `+step` hooks) on the optimizer's steps it took up before those waits.
 """
 
 import copy
@@ -187,18 +187,19 @@ class EngineTimes:
             before = self.engines[name].cross_node_times
             step(index)
             after = self.engines[name].cross_node_times
-            self.seconds[name].append([after[k] - before[k] for k in ("node_s", "link_wait_s")])
+            self.seconds[name].append(
+                [after[k] - before[k] for k in ("node_s", "link_wait_s", "idle_s")])
         return timed
 
     def add_to(self, rows: list[dict], warmup: int) -> None:
-        """engine_node_ms, engine_link_wait_ms: the median over the timed steps of the slowest
-        rank's."""
+        """engine_node_ms, engine_link_wait_ms, engine_idle_ms (the optimizer's steps it took up
+        in its waits for the link): the median over the timed steps of the slowest rank's."""
         for row in rows:
             if row["hook"] not in self.engines:
                 continue
             mine = torch.tensor(self.seconds[row["hook"]][warmup:]).median(0).values * 1e3
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-            row["engine_node_ms"], row["engine_link_wait_ms"] = mine.tolist()
+            row["engine_node_ms"], row["engine_link_wait_ms"], row["engine_idle_ms"] = mine.tolist()
 
 
 def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict,
@@ -311,10 +312,8 @@ def _register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer) -> s
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         in_flight = name.endswith(IN_FLIGHT)
-        state = ddpx.register_fused_hook(model, compression=_wire(name),
-                                         optimizer=optimizer if in_flight else None)
-        steps = "; the optimizer steps each bucket in flight" if in_flight else ""
-        return state.describe() + steps
+        return ddpx.register_fused_hook(model, compression=_wire(name),
+                                        optimizer=optimizer if in_flight else None).describe()
     if name in POWERSGD_RANKS:
         state = _InOrderState(powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=POWERSGD_RANKS[name],
@@ -581,10 +580,12 @@ class Train(Mode):
         for row in rows:
             if "engine_node_ms" in row:
                 over = f"{row['median_ms'] - floor:.0f} ms over none's, " if floor else ""
+                steps = (f", {row['engine_idle_ms']:.0f} ms on optimizer steps before those waits"
+                         if row["hook"].endswith(IN_FLIGHT) else "")
                 lines.append(
                     f"{row['hook']}: {over}its engine's thread {row['engine_node_ms']:.0f} ms "
-                    f"on node work, {row['engine_link_wait_ms']:.0f} ms waiting for the link "
-                    f"(median step, slowest rank)")
+                    f"on node work, {row['engine_link_wait_ms']:.0f} ms waiting for the link"
+                    f"{steps} (median step, slowest rank)")
         lines.append(cpu_note("the hook's timed steps"))
         if any("link_bytes_per_step" in row for row in rows):
             lines.append("link MB/step: what a node sent per timed step (its interface's tx "

@@ -3,11 +3,14 @@ rank trains on different data: gradients after one backward and parameters after
 agree, and every rank holds the same bits. Both registrations (C++ and the Python hook), several
 buckets, unused parameters, gradients as bucket views, and accumulation with no_sync."""
 
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
-from distributed import run_ranks
+from distributed import run_nodes, run_ranks
 
 OPTIONS = {
     "one bucket": {},
@@ -57,7 +60,7 @@ def register(model, hook: str, compression: str | None = None, optimizer=None) -
                                  ddpx.fused_allreduce_hook)
 
 
-def train(rank, hook, options, optimizer_name="SGD", with_state=False):
+def train(rank, hook, options, optimizer_name="SGD", with_state=False, compression=None):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -70,7 +73,7 @@ def train(rank, hook, options, optimizer_name="SGD", with_state=False):
         net.unused.requires_grad_(False)
     model = DDP(net, **options)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    register(model, hook, optimizer=optimizer)
+    register(model, hook, compression, optimizer)
     data = torch.Generator().manual_seed(100 + rank)
     first_grads = None
     moved = []  # per backward: which parameters it moved (with cpp-steps, the sync ones should)
@@ -137,49 +140,82 @@ def test_hook_matches_default_allreduce_on_more_ranks(world):
     assert_matches_default(run_ranks(compare_hooks, world, names))
 
 
-def steps_in_flight(rank, world):
-    return {(name, optimizer, hook): train(rank, hook, OPTIONS[name], optimizer, with_state=True)
-            for name in OPTIONS for optimizer in OPTIMIZERS for hook in ("cpp", "cpp-steps")}
+def check_steps(rank, world, across_nodes=False):
+    """register_fused_hook(optimizer=...) against the same hook with the step after backward, for
+    every DDP option above, SGD with momentum and weight decay, and AdamW, float32 and int8: what
+    differs, in words (nothing: []), and this rank's parameters' digest. Across nodes each
+    backward that reduces the buckets (not one under no_sync) moves every parameter with a
+    gradient by the time it returns, and only those; on one node none (the loop's step does it).
+    Then an optimizer whose step raises: across nodes backward fails with its error."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import ddpx
 
-def test_optimizer_stepping_each_bucket_gives_the_loops_bits():
-    """register_fused_hook(optimizer=...) steps each bucket's parameters once it is reduced, and
-    the loop's optimizer.step() after backward steps none of them again: the gradients, the
-    parameters and the optimizer's state are the bits of the same hook with the step after
-    backward (the same reduced gradients, the same elementwise update), through every DDP option
-    above (an unused parameter, which has no gradient, stays unstepped in both), on every rank.
-    And the steps are taken in flight: each backward that reduces the buckets (not one under
-    no_sync) has moved every parameter with a gradient by the time it returns, and only those."""
-    runs = run_ranks(steps_in_flight, 2)
-    for rank_runs in runs:
-        for (name, optimizer, hook), (grads, params, state, moved, with_grads) in \
-                rank_runs.items():
-            what = f"{name}/{optimizer}/{hook}"
-            accumulate = OPTIONS[name].get("accumulate", 1)
-            for index, moved_params in enumerate(moved):
-                syncs = index % accumulate == accumulate - 1
-                stepped = hook == "cpp-steps" and syncs
-                expected = with_grads if stepped else [False] * len(with_grads)
-                assert moved_params == expected, f"{what}: backward {index} moved {moved_params}"
-            if hook == "cpp":
-                continue
-            ref_grads, ref_params, ref_state, _, _ = rank_runs[(name, optimizer, "cpp")]
-            for g, ref in zip(grads, ref_grads, strict=True):
-                assert torch.equal(g, ref), f"{what}: gradients"
-            for p, ref in zip(params, ref_params, strict=True):
-                assert torch.equal(p, ref), f"{what}: parameters"
-            assert state.keys() == ref_state.keys(), f"{what}: stepped parameters"
-            for index, values in state.items():
-                for key, value in values.items():
-                    assert torch.equal(value, ref_state[index][key]), f"{what}: state {key}"
-    for key, (_, params, *_) in runs[0].items():
-        for p, q in zip(params, runs[1][key][1], strict=True):
-            assert torch.equal(p, q), f"{key}: ranks hold different parameters"
+    wrong, digest = [], []
+    for name in OPTIONS:
+        for optimizer in ("SGD momentum", "AdamW"):
+            for compression in (None, "int8"):
+                what = f"{name}/{optimizer}/{compression}"
+                ref_grads, ref_params, ref_state, _, _ = train(
+                    rank, "cpp", OPTIONS[name], optimizer, True, compression)
+                grads, params, state, moved, with_grads = train(
+                    rank, "cpp-steps", OPTIONS[name], optimizer, True, compression)
+                accumulate = OPTIONS[name].get("accumulate", 1)
+                for index, moved_params in enumerate(moved):
+                    syncs = index % accumulate == accumulate - 1
+                    expected = with_grads if across_nodes and syncs else [False] * len(with_grads)
+                    if moved_params != expected:
+                        wrong.append(f"{what}: backward {index} moved {moved_params}")
+                pairs = [*zip(grads, ref_grads, strict=True), *zip(params, ref_params, strict=True)]
+                pairs += [(value, ref_state[index][key]) for index, values in state.items()
+                          for key, value in values.items()]
+                if state.keys() != ref_state.keys() or not all(torch.equal(*p) for p in pairs):
+                    wrong.append(f"{what}: not the bits of the step after backward")
+                digest.append([float(p.double().sum()) for p in params])
+    model = DDP(Net().body)
+    ddpx.register_fused_hook(model, optimizer=_FailingStep(model.parameters(), lr=0.1))
+    try:
+        model(torch.ones(2, 32)).sum().backward()
+        raised = "nothing" if across_nodes else ""
+    except RuntimeError as error:
+        raised = "" if "the optimizer's step of a bucket: " in str(error) and \
+            "cannot step" in str(error) and across_nodes else str(error)
+    if raised:
+        wrong.append(f"the failing step's backward raised {raised}")
+    return {"wrong": wrong, "digest": digest}
 
 
 class _FailingStep(torch.optim.SGD):
     def step(self, closure=None):
         raise ArithmeticError("this optimizer cannot step")
+
+
+def test_optimizer_on_one_node_steps_after_backward_with_the_same_bits():
+    """On one node, with no link to wait for, optimizer= leaves every step to the loop's."""
+    runs = run_ranks(check_steps, 2)
+    assert [run["wrong"] for run in runs] == [[], []]
+    assert runs[0]["digest"] == runs[1]["digest"]
+
+
+def test_optimizer_across_nodes_steps_each_bucket_in_flight_with_the_same_bits(tmp_path):
+    """Across two nodes each bucket is stepped once reduced, before backward returns, and the
+    loop's optimizer.step() after it steps none of them again: the gradients, the parameters and
+    the optimizer's state are the bits of the step after backward (the same reduced gradients,
+    the same elementwise update), through every DDP option (an unused parameter, which has no
+    gradient, stays unstepped in both), on every rank. A step that raises fails the backward that
+    ran it, with its error, on every rank, and nothing hangs."""
+    results = run_nodes(textwrap.dedent(f'''
+        import json, os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import torch.distributed as dist
+        from test_hook import check_steps
+        dist.init_process_group("gloo")
+        out = check_steps(dist.get_rank(), dist.get_world_size(), across_nodes=True)
+        with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
+            json.dump(out, f)
+        '''), tmp_path)
+    assert [result["wrong"] for result in results] == [[]] * 4
+    assert all(result["digest"] == results[0]["digest"] for result in results)
 
 
 def step_errors(rank, world):
@@ -192,15 +228,11 @@ def step_errors(rank, world):
         ddpx.register_fused_hook(DDP(net), optimizer=object())
     with pytest.raises(ValueError, match="LBFGS cannot step a bucket's parameters alone"):
         ddpx.register_fused_hook(DDP(net), optimizer=torch.optim.LBFGS(net.parameters()))
-    model = DDP(net)
-    ddpx.register_fused_hook(model, optimizer=_FailingStep(net.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match="the optimizer's step of a bucket: .*cannot step"):
-        model(torch.ones(2, 32)).sum().backward()
+    state = ddpx.register_fused_hook(DDP(net), optimizer=torch.optim.SGD(net.parameters(), lr=1))
+    assert "the optimizer steps after backward (one node" in state.describe()
 
 
-def test_a_failing_step_in_flight_fails_backward_on_every_rank():
-    """An optimizer that cannot step per bucket is refused at registration; one whose step
-    raises fails the backward that ran it, with its error, on every rank, and nothing hangs."""
+def test_an_optimizer_that_cannot_step_per_bucket_is_refused():
     run_ranks(step_errors, 2)
 
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <utility>
 
+#include "../common/idle_work.h"
 #include "../cross_node/cross_node.h"
 #include "../node/arena.h"
 #include "collectives.h"
@@ -286,10 +287,13 @@ InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> 
     if (elements > 0) {
       CrossNode& link = comm.cross_node();
       {
+        // One piece of the engine's idle work (an optimizer's step of a bucket) first: the link
+        // has this chunk and the ones after it to carry meanwhile.
+        const double idle = link.oldest_crossed() ? 0 : run_idle_work();
         RECORD_FUNCTION("ddpx::waits for the link", std::vector<c10::IValue>());
         const auto waits = Clock::now();
         comm.across("all-reduce", what, [&] { link.await_oldest(); });
-        comm.add_across_times(0, seconds_since(waits));
+        comm.add_across_times(0, seconds_since(waits), false, idle);
       }
       if (int8) {
         comm.across("all-reduce", what, [&] {
@@ -322,7 +326,7 @@ InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> 
 // reading the slot's last contents.
 void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   const auto started = Clock::now();
-  const double waited_before = call.comm.across_times().link_wait_s;
+  const NodeComm::AcrossTimes before = call.comm.across_times();
   const Blocks& x = call.blocks;
   NodeComm& comm = call.comm;
   CrossNode& link = comm.cross_node();
@@ -398,7 +402,8 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   } else {
     comm.hand_out_in_flight(0);
   }
-  const double waited = comm.across_times().link_wait_s - waited_before;
+  const NodeComm::AcrossTimes after = comm.across_times();
+  const double waited = after.link_wait_s - before.link_wait_s + after.idle_s - before.idle_s;
   comm.add_across_times(seconds_since(started) - waited, 0, left_in_flight);
 }
 

@@ -189,19 +189,22 @@ class NodeComm {
   // Ends every call still in flight with `error` and forgets their chunks.
   void fail_in_flight(std::exception_ptr error) noexcept;
   // Where an all-reduce's time across nodes went, summed over the calls (seconds): the node's own
-  // work (its sums, the hand-outs, the checks) and the waits for a chunk to come back.
+  // work (its sums, the hand-outs, the checks), the waits for a chunk to come back, and the idle
+  // work it took up before those waits (idle_work.h).
   struct AcrossTimes {
-    double node_s = 0, link_wait_s = 0;
+    double node_s = 0, link_wait_s = 0, idle_s = 0;
     uint64_t calls_left_in_flight = 0;  // all-reduces that returned with chunks still crossing
   };
   AcrossTimes across_times() const {
     const std::lock_guard<std::mutex> lock(times_mu_);
     return across_times_;
   }
-  void add_across_times(double node_s, double link_wait_s, bool left_in_flight = false) {
+  void add_across_times(double node_s, double link_wait_s, bool left_in_flight = false,
+                        double idle_s = 0) {
     const std::lock_guard<std::mutex> lock(times_mu_);
     across_times_.node_s += node_s;
     across_times_.link_wait_s += link_wait_s;
+    across_times_.idle_s += idle_s;
     across_times_.calls_left_in_flight += left_in_flight ? 1 : 0;
   }
 

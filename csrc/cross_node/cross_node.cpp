@@ -261,6 +261,16 @@ class ProcessGroupCrossNode final : public CrossNode {
     cross(*pending_.front());
   }
 
+  bool oldest_crossed() const override {
+    TORCH_INTERNAL_ASSERT(!pending_.empty(), "ddpx: no chunk is crossing nodes");
+    const Chunk& chunk = *pending_.front();
+    if (chunk.crossed) return true;
+    if (chunk.gathering.valid() &&
+        chunk.gathering.wait_for(std::chrono::seconds(0)) != std::future_status::ready)
+      return false;
+    return chunk.work->isCompleted() && (!chunk.sending || chunk.sending->isCompleted());
+  }
+
  private:
   struct Chunk {
     std::shared_ptr<void> data;  // start_reduce: n accumulation-dtype elements, summed in place

@@ -48,6 +48,9 @@ class CrossNode {
   // Waits until the oldest transfer still running has crossed, leaving its finish_reduce (or
   // finish_reduce_int8) only this node's work. Throws where the transfer failed.
   virtual void await_oldest() = 0;
+  // Whether await_oldest would return without waiting for the link; false also where that cannot
+  // be known before waiting (gloo's sends and receives).
+  virtual bool oldest_crossed() const = 0;
   // Byte moves between the nodes, for the collectives other than the all-reduce; each throws on
   // failure. Trades run while the caller works: start_all_gather puts every node's `bytes` of in
   // into out (nodes() x bytes, node order); start_all_to_all sends part n of in (nodes() parts

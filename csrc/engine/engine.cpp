@@ -2,6 +2,7 @@
 // thread, the front door of the node's all-reduce, and the process group's path.
 #include "engine.h"
 
+#include <ATen/Parallel.h>
 #include <Python.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -15,6 +16,7 @@
 #include "../collectives/collectives.h"
 #include "../common/caller_profiler.h"
 #include "../common/errors.h"
+#include "../common/idle_work.h"
 #include "../common/torch_compat.h"
 #include "../node/arena.h"
 
@@ -214,12 +216,49 @@ void ShmEngine::run(const std::function<void(NodeComm&)>& op) {
   if (error) std::rethrow_exception(error);
 }
 
+void ShmEngine::when_idle(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(queue_->mu);
+    if (!queue_->stopping) {
+      if (!worker_.joinable()) worker_ = std::thread(worker_loop, queue_);
+      queue_->idle.push_back(std::move(task));
+      task = nullptr;
+    }
+  }
+  if (task) {
+    at::launch(std::move(task));
+  } else {
+    queue_->cv.notify_all();
+  }
+}
+
+bool ShmEngine::run_idle_task(Queue& q) {
+  std::function<void()> task;
+  {
+    std::lock_guard<std::mutex> lock(q.mu);
+    if (q.idle.empty()) return false;
+    task = std::move(q.idle.front());
+    q.idle.pop_front();
+  }
+  task();
+  return true;
+}
+
 void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
   Queue& q = *queue;
+  idle_work = [&q] { return run_idle_task(q); };
   std::unique_lock<std::mutex> lock(q.mu);
   while (true) {
-    q.cv.wait(lock, [&] { return (!q.jobs.empty() && !q.busy) || (q.stopping && q.jobs.empty()); });
-    if (q.jobs.empty()) return;
+    q.cv.wait(lock, [&] {
+      return (!q.jobs.empty() && !q.busy) || !q.idle.empty() || (q.stopping && q.jobs.empty());
+    });
+    if (q.jobs.empty() || q.busy) {
+      if (q.idle.empty()) return;
+      lock.unlock();
+      run_idle_task(q);
+      lock.lock();
+      continue;
+    }
     {
       Queue::Job job = std::move(q.jobs.front());
       q.jobs.pop_front();

@@ -110,6 +110,9 @@ class ShmEngine final : public Engine {
   // ProcessGroup.abort(), from any thread: the call in flight and every queued and later one
   // raise why, on this rank and, within the node, its peers (ShmChannel::abort).
   void abort(const std::string& why);
+  // The communication thread runs task when it has no collective to run, and in its waits for
+  // the link (idle_work.h); after shutdown, ATen's inter-op threads do.
+  void when_idle(std::function<void()> task);
   // Bytes this rank has sent to other nodes so far (CrossNode::bytes_sent); zero on one node.
   uint64_t cross_node_bytes() const;
   ShmChannel::WaitStats wait_stats() const { return comm().channel().wait_stats(); }
@@ -138,11 +141,14 @@ class ShmEngine final : public Engine {
     std::mutex mu;
     std::condition_variable cv;
     std::deque<Job> jobs;
+    std::deque<std::function<void()>> idle;  // when_idle's tasks
     bool busy = false;
     bool stopping = false;
   };
 
   static void worker_loop(const std::shared_ptr<Queue>& queue);
+  // Runs the oldest idle task, if any, on the calling thread; says whether there was one.
+  static bool run_idle_task(Queue& q);
 
   std::shared_ptr<Queue> queue_;
   std::thread worker_;

@@ -168,6 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                return std::map<std::string, double>{
                                    {"node_s", times.node_s},
                                    {"link_wait_s", times.link_wait_s},
+                                   {"idle_s", times.idle_s},
                                    {"calls_left_in_flight", double(times.calls_left_in_flight)}};
                              })
       .def_property(
@@ -401,9 +402,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                py::gil_scoped_acquire gil;
                                                delete f;
                                              });
-          steps = std::make_shared<BucketSteps>();
-          steps->step = [held](const std::vector<at::Tensor>& gradients,
-                               const std::vector<at::Tensor>& parameters) {
+          auto step_bucket = [held](const std::vector<at::Tensor>& gradients,
+                                    const std::vector<at::Tensor>& parameters) {
             py::gil_scoped_acquire gil;
             try {
               (*held)(gradients, parameters);
@@ -412,6 +412,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                        e.what());
             }
           };
+          auto shm = std::dynamic_pointer_cast<ShmEngine>(engine);
+          TORCH_INTERNAL_ASSERT(shm, "ddpx: optimizer= steps across nodes, on ddpx's engine");
+          steps = std::make_shared<BucketSteps>(step_bucket, std::move(shm));
         }
         reducer.register_comm_hook(std::make_unique<FusedHook>(FusedHookConfig{
             std::move(engine), scale, wire, adopt, std::move(feedback), std::move(steps)}));

@@ -5,7 +5,6 @@
 // (Engine::run_async), uncompressed.
 #pragma once
 
-#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -13,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../engine/engine.h"
@@ -22,40 +22,109 @@
 namespace ddpx {
 
 // register_fused_hook(optimizer=...): the optimizer steps a bucket's parameters (given its
-// reduced gradients, views of the bucket) once the bucket is reduced. The steps run on ATen's
-// inter-op threads, not the engine's, whose next buckets' sums go on meanwhile, and one at a
-// time: they share the optimizer.
-struct BucketSteps : std::enable_shared_from_this<BucketSteps> {
+// reduced gradients, views of the bucket) once the bucket is reduced and the backward's last
+// bucket is in: before that the steps would take cores from the backward's own computation, which
+// every later bucket waits for. Then the engine's thread runs them as idle work
+// (ShmEngine::when_idle): in its waits for the link, while the last bucket crosses, and once it
+// has no collective left, so that they never take cores from the node's own work. One at a time:
+// they share the optimizer.
+class BucketSteps : public std::enable_shared_from_this<BucketSteps> {
+ public:
   using Step = std::function<void(const std::vector<at::Tensor>& gradients,
                                   const std::vector<at::Tensor>& parameters)>;
-  Step step;
-  std::mutex one_at_a_time;
+  BucketSteps(Step step, std::shared_ptr<ShmEngine> engine)
+      : step_(std::move(step)), engine_(std::move(engine)) {}
 
   // A future that completes with `reduced`'s value once the optimizer has stepped the bucket's
   // parameters, or with the reduction's error, or the step's.
   c10::intrusive_ptr<c10::ivalue::Future> after(
       const c10::intrusive_ptr<c10::ivalue::Future>& reduced, const c10d::GradBucket& bucket) {
-    auto self = shared_from_this();
     auto stepped = c10::make_intrusive<c10::ivalue::Future>(reduced->elementType());
-    reduced->addCallback([self, stepped, gradients = bucket.getGradients(),
+    // DDP hands a backward's buckets over in index order. A backward that failed before its last
+    // bucket left steps that must never run.
+    if (bucket.getIndex() == 0) {
+      std::vector<Held> left;
+      {
+        std::lock_guard<std::mutex> lock(lock_);
+        left.swap(held_);
+        last_in_ = failed_ = false;
+      }
+      drop(left, "the backward ended before its last bucket");
+    }
+    reduced->addCallback([self = shared_from_this(), stepped, gradients = bucket.getGradients(),
                           parameters = bucket.getParameters()](c10::ivalue::Future& done) {
       if (done.hasError()) {
+        {
+          std::lock_guard<std::mutex> lock(self->lock_);
+          self->failed_ = true;
+        }
         stepped->setError(done.exception_ptr());
         return;
       }
-      at::launch([self, stepped, gradients, parameters, value = done.value()] {
-        try {
-          std::lock_guard<std::mutex> lock(self->one_at_a_time);
-          self->step(gradients, parameters);
-        } catch (...) {
-          stepped->setError(std::current_exception());
+      Held task{stepped, gradients, parameters, done.value()};
+      {
+        std::lock_guard<std::mutex> lock(self->lock_);
+        if (!self->last_in_) {
+          self->held_.push_back(std::move(task));
           return;
         }
-        stepped->markCompleted(value);
-      });
+      }
+      self->launch(std::move(task));
     });
+    if (bucket.isLast()) {
+      std::vector<Held> now;
+      {
+        std::lock_guard<std::mutex> lock(lock_);
+        last_in_ = true;
+        now.swap(held_);
+      }
+      for (Held& task : now) launch(std::move(task));
+    }
     return stepped;
   }
+
+ private:
+  struct Held {
+    c10::intrusive_ptr<c10::ivalue::Future> stepped;
+    std::vector<at::Tensor> gradients, parameters;
+    c10::IValue value;
+  };
+
+  void launch(Held task) {
+    engine_->when_idle([self = shared_from_this(), task = std::move(task)] {
+      try {
+        std::lock_guard<std::mutex> lock(self->one_at_a_time_);
+        if (self->failed()) {
+          drop({task}, "another bucket of its backward failed");
+          return;
+        }
+        self->step_(task.gradients, task.parameters);
+      } catch (...) {
+        task.stepped->setError(std::current_exception());
+        return;
+      }
+      task.stepped->markCompleted(task.value);
+    });
+  }
+
+  bool failed() {
+    std::lock_guard<std::mutex> lock(lock_);
+    return failed_;
+  }
+
+  static void drop(const std::vector<Held>& held, const std::string& why) {
+    for (const Held& task : held)
+      task.stepped->setError(std::make_exception_ptr(
+          std::runtime_error("ddpx: a bucket's optimizer step was dropped: " + why)));
+  }
+
+  Step step_;
+  std::shared_ptr<ShmEngine> engine_;
+  std::mutex one_at_a_time_;
+  std::mutex lock_;
+  bool last_in_ = false;    // the backward's last bucket is in: steps run as buckets come back
+  bool failed_ = false;     // a bucket of this backward failed: no more steps
+  std::vector<Held> held_;  // buckets reduced before it, not yet stepped
 };
 
 struct FusedHookConfig {

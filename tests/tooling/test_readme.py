@@ -51,7 +51,8 @@ MULTINODE = ("accelerate launch --config_file scripts/configs/multinode.yaml --m
 # The API table's signatures: each is its function's, checked with inspect.signature (API_JOB
 # calls them).
 SIGNATURES = [
-    "ddpx.register_fused_hook(ddp_model, *, process_group=None, compression=None, timeout=None)",
+    "ddpx.register_fused_hook(ddp_model, *, process_group=None, compression=None, timeout=None, "
+    "optimizer=None)",
     "ddpx.all_reduce(tensor, *, group=None, average=False, compression=None)",
     "ddpx.backend_of(group=None)",
     "ddpx.build_info()",
@@ -138,7 +139,8 @@ def step(model):
 
 
 model = net()
-state = ddpx.register_fused_hook(model, process_group=None, compression=None, timeout=None)
+state = ddpx.register_fused_hook(model, process_group=None, compression=None, timeout=None,
+                                 optimizer=None)
 ours = step(model)
 model = net()
 model.register_comm_hook(ddpx.FusedHookState(), ddpx.fused_allreduce_hook)
