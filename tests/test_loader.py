@@ -194,7 +194,7 @@ def test_import_ddpx_loads_the_library_only():
                            "sys.modules if m.startswith('ddpx')))"],
                           capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == str(sorted([
-        "ddpx", "ddpx._buildspec", "ddpx._cpu_share", "ddpx._cross_node", "ddpx._ext",
-        "ddpx._groups", "ddpx._meeting", "ddpx._numa", "ddpx._process_wide", "ddpx._segment",
-        "ddpx._setup", "ddpx._timeouts", "ddpx.backend", "ddpx.engine", "ddpx.errors",
-        "ddpx.hooks", "ddpx.settings"]))
+        "ddpx", "ddpx._bucket_steps", "ddpx._buildspec", "ddpx._cpu_share", "ddpx._cross_node",
+        "ddpx._ext", "ddpx._groups", "ddpx._meeting", "ddpx._numa", "ddpx._process_wide",
+        "ddpx._segment", "ddpx._setup", "ddpx._timeouts", "ddpx.backend", "ddpx.engine",
+        "ddpx.errors", "ddpx.hooks", "ddpx.settings"]))
