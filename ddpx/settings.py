@@ -29,7 +29,8 @@ SETTINGS = (
     Setting("DDPX_ONE_SHOT_KB", "32",
             "messages up to this size are summed whole by every rank, larger ones a slice each"),
     Setting("DDPX_CROSS_CHUNK_KB", "4096",
-            "across nodes: how much of a message crosses per chunk of the pipeline"),
+            "across nodes: how much of a message crosses per chunk of the pipeline (its first two "
+            "and last two chunks: a quarter and a half of it)"),
     Setting("DDPX_CROSS_LANES", "1",
             "across nodes: lanes (pairs of process groups) the chunks take turns on"),
     Setting("DDPX_SHM_MB", None,
