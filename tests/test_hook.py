@@ -60,7 +60,7 @@ def register(model, hook: str, compression: str | None = None, optimizer=None) -
                                  ddpx.fused_allreduce_hook)
 
 
-def train(rank, hook, options, optimizer_name="SGD", with_state=False, compression=None):
+def train(rank, hook, options, optimizer_name="SGD", with_state=False):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -73,7 +73,7 @@ def train(rank, hook, options, optimizer_name="SGD", with_state=False, compressi
         net.unused.requires_grad_(False)
     model = DDP(net, **options)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
-    register(model, hook, compression, optimizer)
+    register(model, hook, optimizer=optimizer)
     data = torch.Generator().manual_seed(100 + rank)
     first_grads = None
     moved = []  # per backward: which parameters it moved (with cpp-steps, the sync ones should)
@@ -142,8 +142,9 @@ def test_hook_matches_default_allreduce_on_more_ranks(world):
 
 def check_steps(rank, world, across_nodes=False):
     """register_fused_hook(optimizer=...) against the same hook with the step after backward, for
-    every DDP option above, SGD with momentum and weight decay, and AdamW, float32 and int8: what
-    differs, in words (nothing: []), and this rank's parameters' digest. Across nodes each
+    every DDP option above, SGD with momentum and weight decay, and AdamW (int8's in
+    tests/test_int8.py): what differs, in words (nothing: []), and this rank's parameters'
+    digest. Across nodes each
     backward that reduces the buckets (not one under no_sync) moves every parameter with a
     gradient by the time it returns, and only those; on one node none (the loop's step does it).
     Then an optimizer whose step raises: across nodes backward fails with its error."""
@@ -154,24 +155,23 @@ def check_steps(rank, world, across_nodes=False):
     wrong, digest = [], []
     for name in OPTIONS:
         for optimizer in ("SGD momentum", "AdamW"):
-            for compression in (None, "int8"):
-                what = f"{name}/{optimizer}/{compression}"
-                ref_grads, ref_params, ref_state, _, _ = train(
-                    rank, "cpp", OPTIONS[name], optimizer, True, compression)
-                grads, params, state, moved, with_grads = train(
-                    rank, "cpp-steps", OPTIONS[name], optimizer, True, compression)
-                accumulate = OPTIONS[name].get("accumulate", 1)
-                for index, moved_params in enumerate(moved):
-                    syncs = index % accumulate == accumulate - 1
-                    expected = with_grads if across_nodes and syncs else [False] * len(with_grads)
-                    if moved_params != expected:
-                        wrong.append(f"{what}: backward {index} moved {moved_params}")
-                pairs = [*zip(grads, ref_grads, strict=True), *zip(params, ref_params, strict=True)]
-                pairs += [(value, ref_state[index][key]) for index, values in state.items()
-                          for key, value in values.items()]
-                if state.keys() != ref_state.keys() or not all(torch.equal(*p) for p in pairs):
-                    wrong.append(f"{what}: not the bits of the step after backward")
-                digest.append([float(p.double().sum()) for p in params])
+            what = f"{name}/{optimizer}"
+            ref_grads, ref_params, ref_state, _, _ = train(rank, "cpp", OPTIONS[name], optimizer,
+                                                           True)
+            grads, params, state, moved, with_grads = train(rank, "cpp-steps", OPTIONS[name],
+                                                            optimizer, True)
+            accumulate = OPTIONS[name].get("accumulate", 1)
+            for index, moved_params in enumerate(moved):
+                syncs = index % accumulate == accumulate - 1
+                expected = with_grads if across_nodes and syncs else [False] * len(with_grads)
+                if moved_params != expected:
+                    wrong.append(f"{what}: backward {index} moved {moved_params}")
+            pairs = [*zip(grads, ref_grads, strict=True), *zip(params, ref_params, strict=True)]
+            pairs += [(value, ref_state[index][key]) for index, values in state.items()
+                      for key, value in values.items()]
+            if state.keys() != ref_state.keys() or not all(torch.equal(*p) for p in pairs):
+                wrong.append(f"{what}: not the bits of the step after backward")
+            digest.append([float(p.double().sum()) for p in params])
     model = DDP(Net().body)
     ddpx.register_fused_hook(model, optimizer=_FailingStep(model.parameters(), lr=0.1))
     try:
