@@ -40,28 +40,34 @@ class BucketSteps : public std::enable_shared_from_this<BucketSteps> {
   c10::intrusive_ptr<c10::ivalue::Future> after(
       const c10::intrusive_ptr<c10::ivalue::Future>& reduced, const c10d::GradBucket& bucket) {
     auto stepped = c10::make_intrusive<c10::ivalue::Future>(reduced->elementType());
-    // DDP hands a backward's buckets over in index order. A backward that failed before its last
-    // bucket left steps that must never run.
-    if (bucket.getIndex() == 0) {
+    // DDP hands a backward's buckets over in index order, so bucket 0 begins a backward. One that
+    // failed before its last bucket left steps that must never run.
+    uint64_t backward = 0;
+    {
       std::vector<Held> left;
       {
         std::lock_guard<std::mutex> lock(lock_);
-        left.swap(held_);
-        last_in_ = failed_ = false;
+        if (bucket.getIndex() == 0) {
+          left.swap(held_);
+          last_in_ = false;
+          ++backward_;
+        }
+        backward = backward_;
       }
       drop(left, "the backward ended before its last bucket");
     }
-    reduced->addCallback([self = shared_from_this(), stepped, gradients = bucket.getGradients(),
+    reduced->addCallback([self = shared_from_this(), stepped, backward,
+                          gradients = bucket.getGradients(),
                           parameters = bucket.getParameters()](c10::ivalue::Future& done) {
       if (done.hasError()) {
         {
           std::lock_guard<std::mutex> lock(self->lock_);
-          self->failed_ = true;
+          self->failed_ = backward;
         }
         stepped->setError(done.exception_ptr());
         return;
       }
-      Held task{stepped, gradients, parameters, done.value()};
+      Held task{stepped, gradients, parameters, done.value(), backward};
       {
         std::lock_guard<std::mutex> lock(self->lock_);
         if (!self->last_in_) {
@@ -88,14 +94,15 @@ class BucketSteps : public std::enable_shared_from_this<BucketSteps> {
     c10::intrusive_ptr<c10::ivalue::Future> stepped;
     std::vector<at::Tensor> gradients, parameters;
     c10::IValue value;
+    uint64_t backward;  // which backward's (BucketSteps::backward_)
   };
 
   void launch(Held task) {
     engine_->when_idle([self = shared_from_this(), task = std::move(task)] {
       try {
         std::lock_guard<std::mutex> lock(self->one_at_a_time_);
-        if (self->failed()) {
-          drop({task}, "another bucket of its backward failed");
+        if (!self->may_step(task.backward)) {
+          drop({task}, "its backward failed");
           return;
         }
         self->step_(task.gradients, task.parameters);
@@ -107,9 +114,11 @@ class BucketSteps : public std::enable_shared_from_this<BucketSteps> {
     });
   }
 
-  bool failed() {
+  // Whether a step of `backward` may run: none once a bucket of it failed, or once the next
+  // backward began (which only a failed one lets happen before its steps are taken).
+  bool may_step(uint64_t backward) {
     std::lock_guard<std::mutex> lock(lock_);
-    return failed_;
+    return backward == backward_ && backward != failed_;
   }
 
   static void drop(const std::vector<Held>& held, const std::string& why) {
@@ -123,7 +132,8 @@ class BucketSteps : public std::enable_shared_from_this<BucketSteps> {
   std::mutex one_at_a_time_;
   std::mutex lock_;
   bool last_in_ = false;    // the backward's last bucket is in: steps run as buckets come back
-  bool failed_ = false;     // a bucket of this backward failed: no more steps
+  uint64_t backward_ = 0;   // backwards begun
+  uint64_t failed_ = 0;     // the last backward a bucket of which failed (0: none)
   std::vector<Held> held_;  // buckets reduced before it, not yet stepped
 };
 
