@@ -192,11 +192,14 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     optimizer = None if optimizer is None else checked_optimizer(optimizer, device)
     state = FusedHookState(group, compression, device=device, timeout=timeout)
     steps = None
-    if optimizer is not None and getattr(state.engine, "nodes", 1) > 1:
-        steps = BucketSteps(optimizer)
-        state._optimizer = "; the optimizer steps each bucket in flight"
-    elif optimizer is not None:
-        state._optimizer = "; the optimizer steps after backward (one node: no link to wait for)"
+    if optimizer is not None:
+        ddpx_engine = isinstance(state.engine, extension().ShmEngine)
+        if ddpx_engine and state.engine.nodes > 1:
+            steps = BucketSteps(optimizer)
+            state._optimizer = "; the optimizer steps each bucket in flight"
+        else:
+            why = "one node: no link to wait for" if ddpx_engine else "the process group's engine"
+            state._optimizer = f"; the optimizer steps after backward ({why})"
     if wire is torch.int8:
         state._feedback = extension().ErrorFeedback(list(ddp_model.parameters()))
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,
