@@ -218,6 +218,57 @@ def test_optimizer_across_nodes_steps_each_bucket_in_flight_with_the_same_bits(t
     assert all(result["digest"] == results[0]["digest"] for result in results)
 
 
+def accelerate_steps():
+    """Accelerate's loop (prepare, accumulate over 2 micro-batches, its AcceleratedOptimizer)
+    with register_fused_hook(model, optimizer=the wrapper), against the same loop with the step
+    after backward: what differs, in words, and this rank's parameters' digest. ddpx steps the
+    torch optimizer inside the wrapper, each sync backward moves every parameter, and the
+    wrapper's step after it moves none again."""
+    from accelerate import Accelerator
+
+    import ddpx
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    runs, wrong = {}, []
+    for in_flight in (False, True):
+        torch.manual_seed(0)
+        net = Net().body
+        model, optimizer = accelerator.prepare(net, OPTIMIZERS["SGD momentum"](net.parameters()))
+        ddpx.register_fused_hook(model, optimizer=optimizer if in_flight else None)
+        data = torch.Generator().manual_seed(100 + accelerator.process_index)
+        for micro in range(6):
+            with accelerator.accumulate(model):
+                before = [p.detach().clone() for p in net.parameters()]
+                loss = nn.functional.mse_loss(model(torch.randn(16, 32, generator=data)),
+                                              torch.randn(16, 8, generator=data))
+                accelerator.backward(loss)
+                pairs = zip(net.parameters(), before, strict=True)
+                moved = [not torch.equal(p, b) for p, b in pairs]
+                if in_flight and moved != [micro % 2 == 1] * len(moved):
+                    wrong.append(f"backward {micro} moved {moved}")
+                optimizer.step()
+                optimizer.zero_grad()
+        runs[in_flight] = [p.detach().clone() for p in net.parameters()]
+    if not all(torch.equal(p, q) for p, q in zip(runs[True], runs[False], strict=True)):
+        wrong.append("not the bits of the step after backward")
+    digest = [float(p.double().sum()) for p in runs[True]]
+    accelerator.end_training()
+    return {"wrong": wrong, "digest": digest}
+
+
+def test_optimizer_in_flight_under_accelerate_steps_its_wrapped_optimizer(tmp_path):
+    results = run_nodes(textwrap.dedent(f'''
+        import json, os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from test_hook import accelerate_steps
+        out = accelerate_steps()
+        with open(os.path.join(sys.argv[1], f"rank{{os.environ['RANK']}}.json"), "w") as f:
+            json.dump(out, f)
+        '''), tmp_path)
+    assert [result["wrong"] for result in results] == [[]] * 4
+    assert all(result["digest"] == results[0]["digest"] for result in results)
+
+
 def step_errors(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
