@@ -97,6 +97,8 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
                 out[f"arena-{placement}-{n}-{wire}"] = [t.sum(dtype=torch.float64).item(),
                                                         t[::997].tolist()]
                 out[f"arena-{placement}-{n}-{wire}-zero-copy"] = engine.zero_copy_calls - before
+    out["threads"] = sorted({open(f"/proc/self/task/{task}/comm").read().strip()
+                             for task in os.listdir("/proc/self/task")})
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     gc.collect()
@@ -110,6 +112,8 @@ def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_pa
 
     for result in results:
         assert result["engine"] == {"local_ranks": 2, "nodes": 2}, result["engine"]
+        # ddpx's threads say whose they are, for top -H, perf and py-spy.
+        assert {"ddpx engine", "ddpx link"} <= set(result["threads"]), result["threads"]
         for compression in (None, "bf16", "fp16"):
             assert result[f"sum-{compression}"] == [10.0, 10.0]
         # As in test_hook.py: only the order of the float32 additions differs from DDP's.

@@ -14,6 +14,7 @@
 #include <list>
 #include <mutex>
 
+#include "../common/thread_name.h"
 #include "../node/shm_channel.h"
 #include "../node/waiter.h"
 
@@ -608,6 +609,7 @@ class P2PWork final : public c10d::Work {
 };
 
 void worker_loop(const std::shared_ptr<State>& state) {
+  name_this_thread("ddpx p2p");
   while (true) {
     {
       std::unique_lock<std::mutex> lock(state->thread_mu);

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "../common/thread_name.h"
 #include "../torch_api/backend_work.h"
 
 #include <exception>
@@ -104,6 +105,7 @@ bool AbortWatch::abort_blocked_waits() {
 }
 
 void AbortWatch::loop(std::shared_ptr<AbortWatch> w) {
+  name_this_thread("ddpx abort");
   std::unique_lock<std::mutex> lock(w->mu_);
   bool said = false;
   while (true) {

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "../common/errors.h"
+#include "../common/thread_name.h"
 #include "../common/torch_compat.h"
 #include "../kernels/quantize.h"
 #include "abort_watch.h"
@@ -325,6 +326,7 @@ class ProcessGroupCrossNode final : public CrossNode {
 
   // Sums each dealt chunk's pieces as they arrive, in chunk order, and starts gathering them.
   static void link_loop(std::shared_ptr<Link> link) {
+    name_this_thread("ddpx link");
     std::string broken;  // an earlier transfer failed: the groups are out of step since
     while (true) {
       std::shared_ptr<Chunk> c;

@@ -17,6 +17,7 @@
 #include "../common/caller_profiler.h"
 #include "../common/errors.h"
 #include "../common/idle_work.h"
+#include "../common/thread_name.h"
 #include "../common/torch_compat.h"
 #include "../node/arena.h"
 
@@ -245,6 +246,7 @@ bool ShmEngine::run_idle_task(Queue& q) {
 }
 
 void ShmEngine::worker_loop(const std::shared_ptr<Queue>& queue) {
+  name_this_thread("ddpx engine");
   Queue& q = *queue;
   idle_work = [&q] { return run_idle_task(q); };
   std::unique_lock<std::mutex> lock(q.mu);

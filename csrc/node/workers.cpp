@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "../common/thread_name.h"
+
 namespace ddpx {
 
 void Workers::resize(int threads) {
@@ -22,6 +24,7 @@ void Workers::resize(int threads) {
 }
 
 void Workers::loop(int index) {
+  name_this_thread("ddpx worker");
   std::unique_lock<std::mutex> lock(mu_);
   uint64_t seen = round_;
   for (;;) {
