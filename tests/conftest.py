@@ -34,18 +34,36 @@ CI_ONLY = (
     # A second entry point or setting of a behaviour the default suite checks on another: the
     # stopped peer in the shared blocks (the script's launch stays), /dev/shm capped by a setting
     # (the tmpfs mount stays), mp.spawn with 2 threads (without OMP_NUM_THREADS stays),
-    # accelerate launch with no config (the README's launch lines stay).
+    # accelerate launch with no config (the README's launch lines stay); the stopped peer under
+    # the scripts' --backend ddpx (a rank that never calls, in tests/test_backend.py, and a silent
+    # peer, in tests/test_engine.py, stay).
     "tests/test_timeouts.py::test_a_stopped_peer_raises_within_the_groups_timeout[shared-blocks]",
+    "tests/test_timeouts.py::test_a_stopped_peer_raises_within_the_groups_timeout[script]",
     "tests/test_faults.py::test_a_dev_shm_too_small_falls_back_or_fails_strictly[cap-False]",
     "tests/test_threads.py::test_mp_spawn_without_omp_num_threads_gets_the_share[2]",
     "tests/test_scripts.py::"
     "test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_process",
-    # The Hugging Face Trainer on the ddpx backend and with the fused hook, one pair of launches
-    # (Lightning's on both stay); a second job on the node at once (every test's own job shows a
-    # segment per job).
+    # The other scripts in one process (basic.py's stays), resuming a missing checkpoint of the
+    # plain kind (Accelerate's state stays), the README's example under TORCH_DISTRIBUTED_DEBUG
+    # (tests/test_backend_debug.py stays), a rank that never makes its first call (a silent
+    # peer, in the same file, stays).
+    "tests/test_scripts.py::test_single_process[checkpoint.py]",
+    "tests/test_scripts.py::test_single_process[model_parallel.py]",
+    "tests/test_scripts.py::test_resuming_a_missing_checkpoint_says_so_once[latest-plain]",
+    "tests/tooling/test_readme.py::"
+    "test_the_readme_example_runs_under_debug_detail_on_the_ddpx_backend",
+    "tests/test_engine.py::test_a_rank_that_never_makes_its_first_call_is_named_within_the_timeout",
+    # The Hugging Face Trainer on the ddpx backend and with the fused hook, one pair of launches,
+    # and Lightning on the ddpx backend (Lightning with the fused hook's callback, and the
+    # scripts on the backend, stay); a second job on the node at once (every test's own job shows
+    # a segment per job).
     "tests/test_trainers.py::test_hf_trainer_on_the_ddpx_backend",
+    "tests/test_trainers.py::test_lightning_on_the_ddpx_backend",
     "tests/test_trainers.py::test_hf_trainer_with_the_fused_hook",
     "tests/test_faults.py::test_two_jobs_at_once_each_get_their_own_sums",
+    # torchft's replicas through a killed replica and its healing (the engine's survivors going
+    # on in a smaller group, tests/test_recovery.py, stay).
+    "tests/test_torchft.py::test_replicas_on_ddpx_train_through_a_killed_replica_and_heal_it",
     # The benchmark's launches beside the peers, under load, several fresh launches, a killed
     # bench, and its collectives and train modes (test_bench's allreduce and quick runs stay),
     # and the README's --quick line (test_bench's quick run stays).
