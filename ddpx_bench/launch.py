@@ -4,7 +4,6 @@ mpirun and torchrun start run `python -m ddpx_bench` with the command's argument
 back the result. And the --load processes."""
 
 import contextlib
-import ctypes
 import datetime
 import functools
 import gc
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 
 from ddpx_bench.common import MPI_WORKDIR, mpirun_path, say
 from ddpx_bench.mode import MODES
+from ddpx_bench.processes import die_with_parent
 
 PG_TIMEOUT = datetime.timedelta(minutes=5)
 # How the ranks are placed on the cores: mpirun's --bind-to for the ranks it starts.
@@ -166,7 +166,7 @@ def _mpirun(argv: list[str], world_size: int, args, workdir: str) -> None:
         env={**os.environ, MPI_WORKDIR: workdir},
         stdin=subprocess.DEVNULL,
         stdout=sys.stderr,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     try:
         status = mpirun.wait()
@@ -183,7 +183,7 @@ def _mpirun(argv: list[str], world_size: int, args, workdir: str) -> None:
 
 
 def _spawned_rank(rank: int, world_size: int, args, workdir: str) -> None:
-    _die_with_parent()
+    die_with_parent()
     if MPI_WORKDIR not in os.environ:  # mpirun has bound its ranks
         bind_rank(args.bind, rank)
     os.environ["GROUP_RANK"] = str(rank // (world_size // args.nodes))
@@ -212,20 +212,13 @@ def bind_rank(binding: str, local_rank: int) -> None:
 
 def _ignore_ctrl_c_and_die_with_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # an ignored signal stays ignored across exec
-    _die_with_parent()
-
-
-def _die_with_parent() -> None:
-    """Have Linux kill this rank when the parent dies, even by SIGKILL: no rank outlives a run."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent died before prctl
-            os._exit(1)
+    die_with_parent()
 
 
 def launched(args) -> dict | None:
     """Run as one rank of a launcher's job (torchrun, accelerate launch): its world size only."""
+    if TESTBED_RESULT in os.environ:  # a rank of a testbed's torchrun, which dies with ddpx-bench
+        die_with_parent()
     # One load per machine, started before this rank joins the group: no rank of the machine gets
     # past the barrier below before it runs.
     starts_load = os.environ.get("LOCAL_RANK", "0") == "0"

@@ -1,15 +1,19 @@
-"""The processes of a launched job, for the fault harness (faults.py) and the tests: a free port,
-whether a process runs, a job's ranks found by a marker and killed, ddpx's segments in /dev/shm."""
+"""The processes of a launched job, for the fault harness (faults.py), the benchmark's launches and
+the tests: a free port, whether a process runs, a process that dies with its parent, a job's ranks
+found by a marker and killed, ddpx's segments in /dev/shm."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
-__all__ = ["JOB_MARK", "alive", "free_port", "job_processes", "kill_job", "shm_segments"]
+__all__ = ["JOB_MARK", "alive", "die_with_parent", "free_port", "job_processes", "kill_job",
+           "shm_segments"]
 
 
 def alive(pid: int) -> bool:
@@ -20,6 +24,16 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def die_with_parent() -> None:
+    """Have Linux kill this process when its parent dies, even by SIGKILL (a Popen's preexec_fn,
+    or a rank's first call): nothing a run starts outlives it."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl
+            os._exit(1)
 
 
 # Set to a job's marker in the environment of a command run as written (its ranks' command lines

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpx_bench.processes import die_with_parent
+
 __all__ = ["INTERFACE_VARIABLE", "Node", "Testbed", "bits_per_second", "unavailable"]
 
 _PREFIX = "ddpx-"
@@ -250,10 +252,11 @@ class Testbed:
     def popen(self, node: int, argv: list[str], env: dict | None = None,
               **kwargs) -> subprocess.Popen:
         """Starts ``argv`` in node's namespace, in a session of its own, with this process's
-        environment plus ``env``; ``kwargs`` go to Popen. Killed by close()."""
+        environment plus ``env``; ``kwargs`` go to Popen. Killed by close(), or by Linux when this
+        process dies without closing (`ip netns exec` execs argv, which keeps that)."""
         proc = subprocess.Popen(["ip", "netns", "exec", self.nodes[node].namespace, *argv],
                                 env=dict(os.environ, **(env or {})), start_new_session=True,
-                                **kwargs)
+                                preexec_fn=die_with_parent, **kwargs)
         self._procs.append(proc)
         return proc
 

@@ -65,14 +65,17 @@ CI_ONLY = (
     # on in a smaller group, tests/test_recovery.py, stay).
     "tests/test_torchft.py::test_replicas_on_ddpx_train_through_a_killed_replica_and_heal_it",
     # The benchmark's launches beside the peers, under load, several fresh launches, a killed
-    # bench, and its collectives and train modes (test_bench's allreduce and quick runs stay),
-    # and the README's --quick line (test_bench's quick run stays).
+    # bench (on this machine and on the testbed), and its collectives and train modes
+    # (test_bench's allreduce and quick runs stay), and the README's --quick line (test_bench's
+    # quick run stays).
     "tests/tooling/test_bench.py::test_collectives",
     "tests/tooling/test_bench.py::test_train",
     "tests/tooling/test_bench.py::test_runs_are_fresh_launches_summed_up_by_median_and_worst",
     "tests/tooling/test_bench.py::test_allreduce_beside_the_peers_mpi_and_deepspeed",
     "tests/tooling/test_bench.py::test_load_runs_one_process_per_core_and_ends_with_the_run",
     "tests/tooling/test_bench.py::test_load_and_ranks_die_with_a_killed_bench",
+    "tests/tooling/test_bench.py::"
+    "test_a_killed_bench_on_the_testbed_takes_its_torchruns_and_ranks_with_it",
     "tests/tooling/test_readme.py::test_a_readme_command_runs_as_written"
     "[ddpx-bench allreduce --quick]",
 )

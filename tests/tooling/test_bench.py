@@ -76,6 +76,14 @@ def command_line(pid: int) -> list[str]:
         return []
 
 
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ddpx_built() -> bool:
     try:
         import ddpx
@@ -558,6 +566,45 @@ def test_train_on_a_shaped_link_counts_what_each_hook_sends(tmp_path):
             < 0.2 * gradients)
     assert rows["none"]["link_bytes_per_step"] < 0.01 * gradients  # the barriers'
     assert "link MB/step" in stdout and "bytes vs fp32" in stdout
+
+
+@pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
+                    reason=f"needs ddpx and network namespaces ({testbed_unavailable()})")
+def test_a_killed_bench_on_the_testbed_takes_its_torchruns_and_ranks_with_it(tmp_path):
+    """ddpx-bench SIGKILLed mid-run on a shaped link cannot close its testbed: every process
+    in its namespaces (the torchruns, their ranks) dies with it all the same, and the next
+    testbed made removes the namespaces."""
+    from ddpx_bench import testbed
+
+    command = [*BENCH, "train", "--params", "400K", "--steps", "100000", "--comm_hooks", "none",
+               "--link", "1gbit", "--world_sizes", "4"]
+    bench = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "TMPDIR": str(tmp_path)})
+    prefix = f"ddpx-{bench.pid}-"
+    try:
+        for line in bench.stderr:  # the testbed is up: its torchruns start
+            if "TCP carries" in line:
+                break
+        deadline = time.monotonic() + 120
+        while True:  # until every rank has spent 5 s of a core: importing, then training
+            namespaces = [ns for ns in testbed._namespaces() if ns.startswith(prefix)]
+            inside = [pid for ns in namespaces for pid in testbed._pids(ns)]
+            ranks = [pid for pid in inside if command_line(pid)[1:4] == ["-u", "-m", "ddpx_bench"]]
+            if (len(ranks) == 4 and min(map(cpu_seconds, ranks)) > 5) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(namespaces) == 2 and len(ranks) == 4, (namespaces, inside)
+        bench.kill()
+        bench.wait()
+        assert still_alive(inside, seconds=10) == []
+    finally:
+        bench.kill()
+        bench.wait()
+        bench.stderr.close()
+        with testbed.Testbed(2, None):
+            left = [ns for ns in testbed._namespaces() if ns.startswith(prefix)]
+    assert left == []
 
 
 def test_collectives_link_bound_is_the_bytes_a_node_must_carry():
