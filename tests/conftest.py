@@ -43,10 +43,12 @@ CI_ONLY = (
     "tests/test_threads.py::test_mp_spawn_without_omp_num_threads_gets_the_share[2]",
     "tests/test_scripts.py::"
     "test_accelerate_launch_without_a_config_says_at_once_that_it_runs_one_process",
-    # The other scripts in one process (basic.py's stays), resuming a missing checkpoint of the
-    # plain kind (Accelerate's state stays), the README's example under TORCH_DISTRIBUTED_DEBUG
-    # (tests/test_backend_debug.py stays), a rank that never makes its first call (a silent
-    # peer, in the same file, stays).
+    # basic.py under torchrun (under accelerate launch, and tests/distributed.py's torchrun
+    # jobs, stay), the other scripts in one process (basic.py's stays), resuming a missing
+    # checkpoint of the plain kind (Accelerate's state stays), the README's example under
+    # TORCH_DISTRIBUTED_DEBUG (tests/test_backend_debug.py stays), a rank that never makes its
+    # first call (a silent peer, in the same file, stays).
+    "tests/test_scripts.py::test_basic_torchrun",
     "tests/test_scripts.py::test_single_process[checkpoint.py]",
     "tests/test_scripts.py::test_single_process[model_parallel.py]",
     "tests/test_scripts.py::test_resuming_a_missing_checkpoint_says_so_once[latest-plain]",
@@ -61,9 +63,11 @@ CI_ONLY = (
     "tests/test_trainers.py::test_lightning_on_the_ddpx_backend",
     "tests/test_trainers.py::test_hf_trainer_with_the_fused_hook",
     "tests/test_faults.py::test_two_jobs_at_once_each_get_their_own_sums",
-    # torchft's replicas through a killed replica and its healing (the engine's survivors going
-    # on in a smaller group, tests/test_recovery.py, stay).
+    # torchft's replicas through a killed replica and its healing, and torchrun restarting killed
+    # ranks (the engine's survivors going on in a smaller group, and a fresh group after an
+    # abort, tests/test_recovery.py, stay).
     "tests/test_torchft.py::test_replicas_on_ddpx_train_through_a_killed_replica_and_heal_it",
+    "tests/test_elastic.py::test_killed_ranks_restart_and_resume_to_the_same_parameters",
     # The benchmark's launches beside the peers, under load, several fresh launches, a killed
     # bench (on this machine and on the testbed), and its collectives and train modes
     # (test_bench's allreduce and quick runs stay), and the README's --quick line (test_bench's

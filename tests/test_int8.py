@@ -61,7 +61,6 @@ def int8_job(tmp):
     import ddpx
     from ddpx.engine import engine_for
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     engine = engine_for()
     out = {"nodes": engine.nodes}
@@ -130,7 +129,6 @@ def resume_job(tmp):
     makes one; and 6 straight with the optimizer stepping each bucket in flight."""
     import ddpx
 
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     data = [torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * rank + s))
             for s in range(6)]
@@ -183,7 +181,10 @@ def resume_job(tmp):
     return flat
 
 
-def job_source(fn) -> str:
+def job_source(*jobs) -> str:
+    """A job that runs ``jobs`` one after the other in the same ranks; each rank writes what
+    each returned, by its name."""
+    names = [job.__name__ for job in jobs]
     return textwrap.dedent(f'''
         import json, os, sys
         from pathlib import Path
@@ -191,17 +192,27 @@ def job_source(fn) -> str:
         import torch, torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         from test_int8 import rank_data
-        ''') + inspect.getsource(fn) + textwrap.dedent(f'''
-        out = {fn.__name__}(sys.argv[1])
+        ''') + "".join(inspect.getsource(job) for job in jobs) + textwrap.dedent(f'''
+        dist.init_process_group("gloo")
+        out = {{name: globals()[name](sys.argv[1]) for name in {names!r}}}
         with open(os.path.join(sys.argv[1], f"rank{{dist.get_rank()}}.json"), "w") as f:
             json.dump(out, f)
         dist.destroy_process_group()
         ''')
 
 
-def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(tmp_path):
-    segments = shm_segments()
-    results = run_nodes(job_source(int8_job), tmp_path)
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """int8_job and resume_job, one launch of two nodes: each rank's results by job, and
+    ddpx's /dev/shm segments before and after."""
+    before = shm_segments()
+    results = run_nodes(job_source(int8_job, resume_job), tmp_path_factory.mktemp("two_nodes"))
+    return results, before, shm_segments()
+
+
+def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(two_nodes):
+    runs, segments, after = two_nodes
+    results = [run["int8_job"] for run in runs]
     assert all(r["nodes"] == 2 for r in results)
     for n in (3000, 257, 1):
         expected = reference_sum(n)
@@ -230,11 +241,11 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
     # every step stays within the last residual (one rounding per node) of 40 exact gradients.
     drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
     assert drift <= 2 * one_step, (drift, one_step)
-    assert shm_segments() <= segments
+    assert after <= segments
 
 
-def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(tmp_path):
-    results = run_nodes(job_source(resume_job), tmp_path)
+def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(two_nodes):
+    results = [run["resume_job"] for run in two_nodes[0]]
     for rank, result in enumerate(results):
         assert result["buckets"] >= 2
         assert result["resumed"] == result["straight"], f"rank {rank}: resumed run differs"
@@ -286,7 +297,7 @@ def test_int8_within_one_node_is_float32_and_refused_where_no_feedback_is_kept()
 def test_int8_across_three_nodes_keeps_every_rank_on_the_same_bits(tmp_path):
     """Among three nodes each piece of the sum is rounded twice, the second time by its owner,
     who keeps that residual: the same bits everywhere, a quarter of the bytes, and no drift."""
-    results = run_nodes(job_source(int8_job), tmp_path, nodes=3)
+    results = [run["int8_job"] for run in run_nodes(job_source(int8_job), tmp_path, nodes=3)]
     assert all(r["nodes"] == 3 for r in results)
     for rank, result in enumerate(results):
         assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
