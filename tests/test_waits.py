@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import alive, run_ranks
 
 CPUS = len(os.sched_getaffinity(0))
 # A sleeper checks its peers every 100 ms (csrc/node/waiter.h, kPoll), and a yield that gave
@@ -17,14 +17,6 @@ CPUS = len(os.sched_getaffinity(0))
 POLL_S = BAN_S = 0.1
 # (elements, calls): one-shot single-block calls, and 25 MB two-phase calls of 100 blocks.
 CALLS = [(16 * 1024, 300), (25 * 1024 * 1024 // 4, 4)]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture
@@ -37,9 +29,9 @@ def busy_machine():
 
     with cpu_load(1) as pids:
         time.sleep(0.2)
-        assert all(_running(pid) for pid in pids)
+        assert all(alive(pid) for pid in pids)
         yield len(pids)
-    assert not any(_running(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpx_bench.processes import alive
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "ddpx_bench"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,15 +34,6 @@ def missing_peers() -> list[str]:
     bin_and_path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     missing = [name for name in ("mpi4py", "deepspeed") if importlib.util.find_spec(name) is None]
     return missing + ([] if shutil.which("mpirun", path=bin_and_path) else ["mpirun"])
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (a zombie has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def still_alive(pids: list[int], seconds: float = 5.0) -> list[int]:
