@@ -16,7 +16,15 @@ import pytest
 import torch
 from torch import nn
 
-from distributed import TIME_SCALE, TORCHRUN, job_processes, kill_job, run_ranks, shm_segments
+from distributed import (
+    TIME_SCALE,
+    TORCHRUN,
+    job_processes,
+    kill_job,
+    left_in_shm,
+    run_ranks,
+    shm_segments,
+)
 
 
 def launch(script: str, nproc: int, directory, *extra: str, env: dict | None = None,
@@ -169,7 +177,7 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_p
     pids = read_pids(tmp_path)
     assert len(pids) == world
     assert_no_job_left(tmp_path, pids)
-    assert not shm_segments() - before
+    assert not left_in_shm(before)
 
 
 RECEIVE_FROM_THE_DEAD = """
@@ -208,7 +216,7 @@ def test_a_rank_killed_while_its_peer_waits_in_recv_fails_the_recv(tmp_path):
         in error, error
     assert float(took) < 30, took
     assert_no_job_left(tmp_path, read_pids(tmp_path))
-    assert not shm_segments() - before
+    assert not left_in_shm(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +248,7 @@ def test_every_rank_killed_mid_all_reduce_leaves_nothing_in_dev_shm(tmp_path):
     finally:
         reap(proc)
     assert_no_job_left(tmp_path, pids)
-    assert not shm_segments() - before, "a SIGKILLed job left its segment in /dev/shm"
+    assert not left_in_shm(before), "a SIGKILLed job left its segment in /dev/shm"
 
 
 REDUCE_MINE = """
@@ -279,7 +287,7 @@ def test_two_jobs_at_once_each_get_their_own_sums(tmp_path):
         assert f"JOB {float(base)} OK" in out
     for d in dirs:
         assert_no_job_left(d)
-    assert not shm_segments() - before
+    assert not left_in_shm(before)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_nodes, run_ranks, shm_segments
+from distributed import left_in_shm, run_nodes, run_ranks, shm_segments
 
 BLOCK = 64  # kInt8Block, csrc/kernels/quantize.h
 SMALLEST = 2.0**-100  # kInt8Smallest: a block below it travels as zeros
@@ -204,14 +204,14 @@ def job_source(*jobs) -> str:
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     """int8_job and resume_job, one launch of two nodes: each rank's results by job, and
-    ddpx's /dev/shm segments before and after."""
+    ddpx's /dev/shm segments the launch left behind."""
     before = shm_segments()
     results = run_nodes(job_source(int8_job, resume_job), tmp_path_factory.mktemp("two_nodes"))
-    return results, before, shm_segments()
+    return results, left_in_shm(before)
 
 
 def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(two_nodes):
-    runs, segments, after = two_nodes
+    runs, left = two_nodes
     results = [run["int8_job"] for run in runs]
     assert all(r["nodes"] == 2 for r in results)
     for n in (3000, 257, 1):
@@ -241,7 +241,7 @@ def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_erro
     # every step stays within the last residual (one rounding per node) of 40 exact gradients.
     drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
     assert drift <= 2 * one_step, (drift, one_step)
-    assert after <= segments
+    assert not left, left
 
 
 def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(two_nodes):

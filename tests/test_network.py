@@ -21,7 +21,7 @@ import torch
 
 from ddpx_bench import testbed
 
-from distributed import job_processes, shm_segments, train_small_ddp
+from distributed import job_processes, left_in_shm, shm_segments, train_small_ddp
 
 pytestmark = pytest.mark.skipif(testbed.unavailable() is not None,
                                 reason=str(testbed.unavailable()))
@@ -170,7 +170,7 @@ def nothing_left(tmp_path):
     segments = shm_segments()
     yield
     assert not ours(), f"namespaces left: {ours()}"
-    assert not shm_segments() - segments, f"left in /dev/shm: {shm_segments() - segments}"
+    assert not left_in_shm(segments), f"left in /dev/shm: {left_in_shm(segments)}"
     assert not job_processes(str(tmp_path)), "processes of the job are still running"
 
 

@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import JOB_MARK, alive, folder_with_scripts, job_processes, kill_job, shm_segments
+from distributed import (
+    JOB_MARK,
+    folder_with_scripts,
+    job_processes,
+    kill_job,
+    left_in_shm,
+    shm_segments,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -99,12 +106,6 @@ def accelerate_launch_to_fail(script: str, *args) -> str:
     assert not job_processes(str(SCRIPTS / script)), f"a rank outlived its launcher\n{output}"
     assert "terminate called" not in output, output
     return output
-
-
-def left_in_shm(before: set[str]) -> set[str]:
-    """ddpx's segments made since `before` by processes now gone (the names start with the
-    creator's pid): left behind. Live ones may be other jobs' on a shared machine."""
-    return {name for name in shm_segments() - before if not alive(int(name.split("-")[1]))}
 
 
 def check_training(stdout: str, world_size: int, comm_path: str) -> None:
@@ -448,7 +449,7 @@ def test_a_job_killed_mid_save_keeps_the_previous_checkpoint(uninterrupted, tmp_
     assert job.returncode != 0
     assert not job_processes(str(tmp_path)), "processes of the killed job are still running"
     assert torch.load(checkpoint, map_location="cpu")["step"] == half
-    assert shm_segments() <= segments
+    assert not left_in_shm(segments)
 
     os.unlink(str(checkpoint) + ".tmp")
     resumed = accelerate_launch("checkpoint.py", "--output_dir", tmp_path,

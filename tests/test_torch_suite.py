@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import shm_segments
+from distributed import left_in_shm, shm_segments
 
 SUITE = Path(__file__).with_name("torch_suite.py")
 GLOO_SUITE = Path(__file__).with_name("torch_gloo_suite.py")
@@ -135,7 +135,7 @@ def _in_session(session: int) -> list[int]:
 
 
 def _clean(before: set[str]) -> None:
-    assert shm_segments() <= before, f"the suite left {sorted(shm_segments() - before)}"
+    assert not left_in_shm(before), f"the suite left {sorted(left_in_shm(before))}"
 
 
 def test_representative_part_at_2_ranks(tmp_path):

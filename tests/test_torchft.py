@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import JOB_MARK, free_port, job_processes, kill_job, shm_segments
+from distributed import JOB_MARK, free_port, job_processes, kill_job, left_in_shm, shm_segments
 
 TORCHFT = importlib.util.find_spec("torchft") is not None
 needs_torchft = pytest.mark.skipif(
@@ -181,7 +181,7 @@ def run_faults(pg: str, victims: list[int], folder: Path) -> list[dict]:
     # with its abort.
     assert {e["mapped"] for e in configured} == {1 if pg == "ddpx" else 0}, configured
     assert not job_processes(job.marker)
-    assert shm_segments() <= before, shm_segments() - before
+    assert not left_in_shm(before), left_in_shm(before)
     assert len({p["step"] for p in params}) == 1, [p["step"] for p in params]
     assert all(p["params"] == params[0]["params"] for p in params)
     if pg == "ddpx":  # the replicas' all-reduces went through their node's shared memory

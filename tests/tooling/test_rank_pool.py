@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool, alive, shm_segments
+from distributed import RankPool, alive, left_in_shm, shm_segments
 
 
 def _sum_of_ranks(rank, world):
@@ -99,12 +99,12 @@ def test_nothing_is_left_after_close_even_after_a_failure(pool):
     with pytest.raises(AssertionError, match=r"the ranks left \['ddpx-\d+-left-by-a-test'\]"):
         pool.run(_rank_0_leaves_a_segment)
     assert not any(alive(p) for p in pids)
-    assert shm_segments() <= segments
+    assert not left_in_shm(segments)
     pool.run(_sum_of_ranks)
     pids = pool.pids
     pool.close()
     assert pool.pids == [] and not any(alive(p) for p in pids)
-    assert shm_segments() <= segments
+    assert not left_in_shm(segments)
 
 
 def test_the_fixture_keeps_one_pool_per_settings_and_one_alive(rank_pool, pool):
