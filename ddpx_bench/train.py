@@ -146,9 +146,11 @@ def bench_train(args) -> dict:
 
 def trace(models: dict, batches: list[torch.Tensor], path: str) -> None:
     """One more step of each model (after the checks: learning rate 0, nothing moves) under
-    torch.profiler on every rank, rank 0's written as a Chrome trace to `path`: ddpx's ranges
-    (ddpx::fused_hook on the autograd thread, ddpx::all_reduce (engine) and ddpx::waits for the
-    link on its engine's) beside the backward's ops, each step under 'ddpx-bench step: <hook>'."""
+    torch.profiler on every rank, each rank's written as a Chrome trace (rank_trace_path): ddpx's
+    ranges (ddpx::fused_hook on the autograd thread, ddpx::all_reduce (engine) and ddpx::waits
+    for the link on its engine's) beside the backward's ops, each step under
+    'ddpx-bench step: <hook>'. The ranks' traces side by side show which rank the others wait
+    for, and why."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
@@ -159,8 +161,16 @@ def trace(models: dict, batches: list[torch.Tensor], path: str) -> None:
                 dist.barrier()
             with record_function(f"ddpx-bench step: {name}"):
                 _step(model, optimizer, batches, 0)
-    if dist.get_rank() == 0:
-        profiler.export_chrome_trace(path)
+    profiler.export_chrome_trace(rank_trace_path(path, dist.get_rank()))
+
+
+def rank_trace_path(path: str, rank: int) -> str:
+    """Where `--trace path` writes rank `rank`'s trace: rank 0's at `path`, rank r's beside it
+    with .rank<r> before the suffix (trace.json, trace.rank1.json)."""
+    if rank == 0:
+        return path
+    where = Path(path)
+    return str(where.with_name(f"{where.stem}.rank{rank}{where.suffix}"))
 
 
 class EngineTimes:
@@ -526,7 +536,8 @@ class Train(Mode):
         parser.add_argument("--lr", type=float, default=0.01)
         parser.add_argument("--trace", metavar="PATH",
                             help="after the run, profile one more step of each hook and write "
-                                 "rank 0's Chrome trace (chrome://tracing, Perfetto) here")
+                                 "rank 0's Chrome trace (chrome://tracing, Perfetto) here, rank "
+                                 "r's beside it as NAME.rank<r>.json")
         node_options(parser)
 
     def run(self, args):

@@ -766,7 +766,9 @@ def test_train(tmp_path):
     # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
     # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
     options = "--params 400K --steps 3 --warmup 1 --batch_size 4".split()
-    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(typed))
+    trace = tmp_path / "trace.json"
+    document, stdout = run_bench(tmp_path, "train", *options, "--comm_hooks", ",".join(typed),
+                                 "--trace", str(trace))
 
     rows = {row["hook"]: row for row in document["rows"]}
     check_measured(hooks, list(rows), document["left_out"])
@@ -805,6 +807,16 @@ def test_train(tmp_path):
         mem = rows["backend-mem"]
         assert 0 < mem["zero_copy_calls"] <= mem["all_reduces"] == rows["backend"]["all_reduces"]
         assert re.search(r" backend-mem .* arena .* of \d+ all-reduces zero-copy", stdout), stdout
+    # --trace: every rank's traced step of each hook, ddpx's with its hook's ranges.
+    for path in (trace, tmp_path / "trace.rank1.json"):
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        steps = {e["name"].removeprefix("ddpx-bench step: "): e for e in events
+                 if e["name"].startswith("ddpx-bench step: ")}
+        assert sorted(steps) == sorted(rows), (path, sorted(steps))
+        for hook in ("ddpx", "ddpx+step"):
+            step = steps[hook]
+            assert any(e["name"] == "ddpx::fused_hook"
+                       and step["ts"] <= e["ts"] <= step["ts"] + step["dur"] for e in events), hook
 
 
 def test_powersgd_stands_for_both_ranks_where_it_is_typed():
