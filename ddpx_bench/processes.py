@@ -13,7 +13,7 @@ import sys
 import time
 
 __all__ = ["JOB_MARK", "alive", "die_with_parent", "free_port", "job_processes", "kill_job",
-           "shm_segments"]
+           "left_in_shm", "segment_creator", "shm_segments"]
 
 
 def alive(pid: int) -> bool:
@@ -88,6 +88,20 @@ def kill_job(launcher: subprocess.Popen, marker: str) -> None:
 
 def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("ddpx-")}
+
+
+def segment_creator(segment: str) -> int | None:
+    """The pid a ddpx segment's name starts with (None if it names none)."""
+    pid = segment.split("-")[1]
+    return int(pid) if pid.isdigit() else None
+
+
+def left_in_shm(before: set[str]) -> set[str]:
+    """ddpx's segments made since ``before`` by this process or by processes now gone: left
+    behind. A live process's are its job's, another test's run beside this one, or another
+    job's on a shared machine."""
+    return {name for name in shm_segments() - before
+            if (creator := segment_creator(name)) in (None, os.getpid()) or not alive(creator)}
 
 
 def free_port() -> int:

@@ -31,6 +31,8 @@ from ddpx_bench.processes import (  # noqa: F401
     free_port,
     job_processes,
     kill_job,
+    left_in_shm,
+    segment_creator,
     shm_segments,
 )
 
@@ -173,23 +175,9 @@ def run_on_two_hosts(commands: list[str], tmp_path: Path) -> list[str]:
     return outputs
 
 
-def _creator(segment: str) -> int | None:
-    """The pid a ddpx segment's name starts with (None if it names none)."""
-    pid = segment.split("-")[1]
-    return int(pid) if pid.isdigit() else None
-
-
-def left_in_shm(before: set[str]) -> set[str]:
-    """ddpx's segments made since ``before`` by this process or by processes now gone: left
-    behind. A live process's are its job's, another test's run beside this one, or another
-    job's on a shared machine."""
-    return {name for name in shm_segments() - before
-            if (creator := _creator(name)) in (None, os.getpid()) or not alive(creator)}
-
-
 def _segments_of(pids) -> set[str]:
     """The ddpx segments in /dev/shm whose creator (the pid in their name) is one of ``pids``."""
-    return {name for name in shm_segments() if _creator(name) in set(pids)}
+    return {name for name in shm_segments() if segment_creator(name) in set(pids)}
 
 
 def _rank_context():

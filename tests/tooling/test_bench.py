@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpx_bench.processes import alive
+from ddpx_bench.processes import alive, left_in_shm, shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "ddpx_bench"]
@@ -220,12 +220,12 @@ def run_quick(tmp_path: Path, *options: str) -> tuple[dict, list[str], list[str]
     and none of ddpx's segments in /dev/shm."""
     json_path = tmp_path / "quick.json"
     command = ["allreduce", "--quick", *options, "--json", str(json_path)]
-    segments_before = set(os.listdir("/dev/shm"))
+    segments_before = shm_segments()
     done = subprocess.run([*BENCH, *command], capture_output=True, text=True, timeout=300,
                           env={**os.environ, RUN_MARK: str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr
     assert still_alive(carrying(RUN_MARK, str(tmp_path))) == []
-    assert left_segments(segments_before) == []
+    assert not left_in_shm(segments_before)
     full_run = ["ddpx-bench", *(arg for arg in command if arg != "--quick")]
     return json.loads(json_path.read_text()), done.stdout.splitlines(), full_run
 
@@ -242,17 +242,6 @@ def carrying(variable: str, value: str) -> list[int]:
         except OSError:
             continue
     return [pid for pid in found if alive(pid)]
-
-
-def left_segments(before: set[str]) -> list[str]:
-    """ddpx's segments in /dev/shm (ddpx-PID-...) made since `before` whose maker has exited:
-    left behind. Other developers' live runs on the machine make theirs meanwhile."""
-    left = []
-    for name in set(os.listdir("/dev/shm")) - before:
-        pid = name.split("-")[1] if name.startswith("ddpx-") else ""
-        if pid.isdigit() and not alive(int(pid)):
-            left.append(name)
-    return left
 
 
 def test_allreduce_quick_measures_what_it_promises_and_says_it_was_quick(tmp_path):
