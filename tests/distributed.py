@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from ddpx_bench.processes import (  # noqa: F401
     JOB_MARK,
     alive,
+    die_with_parent,
     free_port,
     job_processes,
     kill_job,
@@ -111,26 +112,96 @@ def train_small_ddp(rank: int, register=None, group=None) -> tuple[list, object]
     return [p.detach().flatten().tolist() for p in net.parameters()], registered
 
 
-def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
-    """Runs the job ``source`` as ``nodes`` nodes of 2 ranks, one torchrun each on this machine
-    (its argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank
-    order."""
+def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
+    """A rank of run_nodes' forked nodes: torchrun's environment for it, its output in log_path,
+    the script run as __main__, then what an interpreter's exit runs (the process ends in
+    os._exit), after the process group is destroyed as ddpx_bench/launch.py's _run_rank does."""
+    import atexit
+    import runpy
+
+    import torch.distributed as dist
+
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    die_with_parent()  # the fork server, which ends with the test process
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit._run_exitfuncs()
+
+
+def run_nodes(source: str, tmp_path, nodes: int = 2, torchrun: bool = False) -> list[dict]:
+    """Runs the job ``source`` as ``nodes`` nodes of 2 ranks on this machine (its argument:
+    tmp_path, where each rank writes rank<N>.json); returns those, in rank order.
+
+    With ``torchrun``, one torchrun launch per node, as users start them. Otherwise each rank is
+    forked as RankPool's are, with the environment torchrun gives it (GROUP_RANK telling the
+    nodes apart): the same job without six processes importing torch (about 20 s of a core
+    here). Either way a rank that fails ends the job, and the ranks' output is in the error."""
     script = tmp_path / "job.py"
     script.write_text(source)
     port = free_port()
-    launches = [subprocess.Popen(
-        [TORCHRUN, "--nnodes", str(nodes), "--node_rank", str(node), "--nproc_per_node", "2",
-         "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
-        for node in range(nodes)]
-    try:
-        logs = [launch.communicate(timeout=180)[0] for launch in launches]
-    finally:
-        for launch in launches:
-            kill_job(launch, str(tmp_path))
-    assert all(launch.returncode == 0 for launch in launches), "\n".join(logs)
+    if torchrun:
+        launches = [subprocess.Popen(
+            [TORCHRUN, "--nnodes", str(nodes), "--node_rank", str(node), "--nproc_per_node", "2",
+             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+             str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+            for node in range(nodes)]
+        try:
+            logs = [launch.communicate(timeout=180 * TIME_SCALE)[0] for launch in launches]
+        finally:
+            for launch in launches:
+                kill_job(launch, str(tmp_path))
+        assert all(launch.returncode == 0 for launch in launches), "\n".join(logs)
+    else:
+        _fork_nodes(script, tmp_path, nodes, port)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
+
+
+def _fork_nodes(script: Path, tmp_path: Path, nodes: int, port: int) -> None:
+    ctx = _rank_context()
+    world = 2 * nodes
+    ranks = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % 2),
+               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
+               "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank),
+               "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "none",
+               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+               "OMP_NUM_THREADS": "1"}
+        process = ctx.Process(target=_run_node_rank, args=(
+            str(script), [str(tmp_path)], env, str(tmp_path / f"rank{rank}.log")))
+        process.start()
+        ranks.append(process)
+    deadline = time.monotonic() + 180 * TIME_SCALE
+    while (any(p.is_alive() for p in ranks) and time.monotonic() < deadline
+           and not any(p.exitcode for p in ranks)):
+        time.sleep(0.1)
+    running = [r for r, p in enumerate(ranks) if p.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    logs = ""
+    if running and time.monotonic() >= deadline:
+        logs = f"ranks {running} did not finish in {180 * TIME_SCALE:g} s\n"
+    elif running:
+        logs = f"ranks {running} were killed: another rank failed\n"
+    for r, process in enumerate(ranks):
+        log = tmp_path / f"rank{r}.log"
+        output = log.read_text() if log.exists() else "(no output: it did not start)"
+        logs += f"rank {r} (exit code {process.exitcode}):\n{output}\n"
+    assert all(p.exitcode == 0 for p in ranks), logs
 
 
 def torchrun(tmp_path: Path, name: str, source: str, *args: str, timeout: float = 180) -> str:

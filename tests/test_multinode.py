@@ -1,6 +1,7 @@
 """Two nodes on one machine: two torchrun launches side by side (--nnodes 2, 2 ranks each), so
 ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchically: within each
-node through that node's own segment, across nodes through the process group. Also with
+node through that node's own segment, across nodes through the process group (the other jobs'
+ranks are forked with torchrun's environment: distributed.run_nodes). Also with
 compression, for groups other than the world, and with bad calls that must raise on every node.
 The backend's collectives the same way, against gloo and the references (collective_checks.py,
 as test_backend.py checks one node), on two nodes and on three."""
@@ -108,7 +109,7 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
 
 def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
     segments = shm_segments()
-    results = run_nodes(JOB, tmp_path)
+    results = run_nodes(JOB, tmp_path, torchrun=True)
 
     for result in results:
         assert result["engine"] == {"local_ranks": 2, "nodes": 2}, result["engine"]
