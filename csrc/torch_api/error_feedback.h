@@ -63,11 +63,16 @@ class ErrorFeedback {
     }
     std::lock_guard<std::mutex> lock(mu_);
     Entry& entry = buckets_[int64_t(bucket.getIndex())];
-    if (entry.residual && entry.layout == layout) return {{{{0, whole}}, entry.residual}};
+    if (entry.residual && entry.layout == layout) {
+      entry.loaded = false;
+      return {{{{0, whole}}, entry.residual}};
+    }
+    // Only loaded buckets: a bucket DDP rebuilt out of this job's own is new, as said above.
     std::vector<Part> saved;
+    std::vector<Entry*> used;
     int64_t covered = 0;
-    for (const auto& [index, other] : buckets_) {
-      if (!other.residual || other.layout.empty()) continue;
+    for (auto& [index, other] : buckets_) {
+      if (!other.loaded || !other.residual || other.layout.empty()) continue;
       Part part{{}, other.residual};
       for (const int64_t parameter : other.layout) {
         const auto at = place.find(parameter);
@@ -78,8 +83,12 @@ class ErrorFeedback {
       }
       if (part.pieces.size() != other.layout.size()) break;
       saved.push_back(std::move(part));
+      used.push_back(&other);
     }
-    if (!saved.empty() && covered == whole && place.empty()) return saved;
+    if (!saved.empty() && covered == whole && place.empty()) {
+      for (Entry* other : used) other->loaded = false;
+      return saved;
+    }
     entry = Entry{std::move(layout), std::make_shared<Residual>()};
     return {{{{0, whole}}, entry.residual}};
   }
@@ -102,7 +111,7 @@ class ErrorFeedback {
     for (const auto& [index, layout, values] : state) {
       auto residual = std::make_shared<Residual>();
       if (values.numel() > 0) residual->values = values.to(at::kFloat).contiguous().clone();
-      buckets_[index] = Entry{layout, std::move(residual)};
+      buckets_[index] = Entry{layout, std::move(residual), /*loaded=*/true};
     }
   }
 
@@ -110,6 +119,8 @@ class ErrorFeedback {
   struct Entry {
     std::vector<int64_t> layout;
     std::shared_ptr<Residual> residual;
+    // From load(), and not reduced yet: the resumed model's first buckets are gathered into it.
+    bool loaded = false;
   };
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of_;
   mutable std::mutex mu_;
