@@ -129,11 +129,25 @@ TRAIN_AND_DIE = """
     rank = dist.get_rank()
     open(f"pid.{rank}", "w").write(str(os.getpid()))
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)),
-                bucket_cap_mb=0.05)
-    state = ddpx.register_fused_hook(model, timeout=timedelta(seconds=10))
-    open(f"nodes.{rank}", "w").write(str(state.engine.nodes))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    # int8+step: int8 across the nodes, each bucket's chunks in flight through backward and the
+    # optimizer stepping each bucket on the engine's thread once reduced; and at step 5, when rank
+    # 1 dies, a resumed model's first step, whose one bucket is reduced as the saved ones.
+    # "process group": the hook's fallback where shared memory is too small (DDPX_SHM_MB).
+    in_flight = os.environ["HOOK"] == "int8+step"
+
+    def hooked(saved=None):
+        model = DDP(net, bucket_cap_mb=0.05)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        state = ddpx.register_fused_hook(model, timeout=timedelta(seconds=10),
+                                         compression="int8" if in_flight else None,
+                                         optimizer=opt if in_flight else None)
+        if saved is not None:
+            state.load_state_dict(saved)
+        return model, opt, state
+
+    model, opt, state = hooked()
+    open(f"path.{rank}", "w").write(state.describe())
     try:
         for step in range(1000):
             if rank == 1 and step == 5:
@@ -142,6 +156,8 @@ TRAIN_AND_DIE = """
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if in_flight and step == 4:
+                model, opt, state = hooked(state.state_dict())
     except Exception as error:
         open(f"error.{rank}", "w").write(f"AT STEP {step}: {error}")
         raise
@@ -150,30 +166,42 @@ TRAIN_AND_DIE = """
 
 
 # 4 ranks (on one node, or split into two): -m slow.
-@pytest.mark.parametrize("world, nodes",
-                         [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow),
-                          pytest.param(4, 2, marks=pytest.mark.slow)])
-def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, tmp_path):
+@pytest.mark.parametrize("world, nodes, hook",
+                         [(2, 1, ""), (2, 1, "process group"),
+                          pytest.param(4, 1, "", marks=pytest.mark.slow),
+                          pytest.param(4, 2, "", marks=pytest.mark.slow), (4, 2, "int8+step")])
+def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook, tmp_path):
     before = shm_segments()
-    rc, out, elapsed = run_job(TRAIN_AND_DIE, world, tmp_path, env={"NODES": str(nodes)},
-                               timeout=90)
+    env = {"NODES": str(nodes), "HOOK": hook}
+    if hook == "process group":
+        env["DDPX_SHM_MB"] = "1"
+    rc, out, elapsed = run_job(TRAIN_AND_DIE, world, tmp_path, env=env, timeout=90)
     assert rc != 0, out
     assert elapsed < 60 * TIME_SCALE, f"the job took {elapsed:.0f} s to fail"
     assert "UNREACHABLE" not in out
     # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
-    # bucket (directly, or as the message of the rank that aborted the all-reduce).
+    # bucket (directly, or as the message of the rank that aborted the all-reduce); through the
+    # process group, with gloo's error.
     # (Each rank writes its error to its own file: the ranks' output lines interleave.)
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == [f"error.{r}" for r in range(world) if r != 1], out
     for name, line in raised.items():
+        if hook == "process group":
+            assert line.startswith("AT STEP 5: ") and "gloo" in line, line
+            continue
         assert "AT STEP 5: ddpx:" in line, line
         assert "gradient bucket" in line, line
         if nodes == 1 or name == "error.0":  # rank 0 shares rank 1's node
             assert "rank 1 (pid" in line and "exited while" in line, line
-    # Every hook spanned the nodes asked for: the other node learns of the death from the
-    # cross-node link, which the dead rank's exit closed.
+    # Every hook took the path asked for, and spanned the nodes asked for: the other node learns
+    # of the death from the cross-node link, which the dead rank's exit closed.
     for r in range(world):
-        assert (tmp_path / f"nodes.{r}").read_text() == str(nodes)
+        path = (tmp_path / f"path.{r}").read_text()
+        if hook == "process group":
+            assert "process group" in path and "zero-copy: no" in path, path
+        else:
+            assert path.startswith("ddpx shared memory"), path
+            assert (f"and {nodes} nodes" in path) == (nodes > 1), path
     pids = read_pids(tmp_path)
     assert len(pids) == world
     assert_no_job_left(tmp_path, pids)

@@ -37,8 +37,13 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   auto work = group.allreduce(tensors, opts);
   auto done = work->getFuture();
   if (tensor.device().is_cpu() || !done->devices().empty()) {
-    return done->then([tensor](c10::ivalue::Future&) { return c10::IValue(tensor); },
-                      c10::TensorType::get());
+    // then() runs its callback on a failed future too: value() passes the group's error on.
+    return done->then(
+        [tensor](c10::ivalue::Future& reduced) {
+          reduced.value();
+          return c10::IValue(tensor);
+        },
+        c10::TensorType::get());
   }
   // gloo reduces CUDA tensors in host memory and copies the sum back on a stream of its own; its
   // future knows no device, so a wait on it would not order the caller's stream after that copy.

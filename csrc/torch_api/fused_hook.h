@@ -206,8 +206,13 @@ class FusedHook final : public c10d::CppCommHookInterface<FusedHookConfig> {
                                 },
                                 c10::TensorType::get()));
     }
+    // then() runs its callback on a failed future too: value() passes a part's error on.
     return c10::collectAll(reduced)->then(
-        [buffer](c10::ivalue::Future&) { return c10::IValue(buffer); }, c10::TensorType::get());
+        [buffer](c10::ivalue::Future& all) {
+          all.value();
+          return c10::IValue(buffer);
+        },
+        c10::TensorType::get());
   }
 };
 
