@@ -181,16 +181,17 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook,
     assert "UNREACHABLE" not in out
     # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
     # bucket (directly, or as the message of the rank that aborted the all-reduce); through the
-    # process group, with gloo's error.
+    # process group, the bucket, the path and why, and gloo's error.
     # (Each rank writes its error to its own file: the ranks' output lines interleave.)
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == [f"error.{r}" for r in range(world) if r != 1], out
     for name, line in raised.items():
-        if hook == "process group":
-            assert line.startswith("AT STEP 5: ") and "gloo" in line, line
-            continue
         assert "AT STEP 5: ddpx:" in line, line
         assert "gradient bucket" in line, line
+        if hook == "process group":
+            assert "failed on the process-group path (" in line and "DDPX_SHM_MB" in line, line
+            assert "gloo" in line, line
+            continue
         if nodes == 1 or name == "error.0":  # rank 0 shares rank 1's node
             assert "rank 1 (pid" in line and "exited while" in line, line
     # Every hook took the path asked for, and spanned the nodes asked for: the other node learns

@@ -388,7 +388,18 @@ c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::reduce_async(at::Ten
                                                                          Request request) {
   TORCH_CHECK_VALUE(!request.wire || *request.wire == tensor.scalar_type(),
                     "ddpx: compression is not available on the process-group path (", reason_, ")");
-  return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false);
+  return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false)
+      ->then(
+          [what = request.what, reason = reason_](c10::ivalue::Future& reduced) {
+            try {
+              return reduced.value();
+            } catch (const std::exception& error) {
+              C10_THROW_ERROR(DistBackendError, "ddpx: " + what +
+                                                    " failed on the process-group path (" + reason +
+                                                    "): " + error.what());
+            }
+          },
+          c10::TensorType::get());
 }
 
 void ProcessGroupEngine::reduce(at::Tensor tensor, const Request& request) {
