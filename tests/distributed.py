@@ -74,9 +74,17 @@ def _serve(rank, world_size, store_path, tasks, results, env, backend, group_tim
             except BaseException:  # noqa: BLE001 - report everything to the test
                 results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():  # a body may have destroyed it
-            gc.collect()  # see ddpx_bench/launch.py's _run_rank: the group must end before exit
-            dist.destroy_process_group()
+        _end_group()
+
+
+def _end_group() -> None:
+    """Destroys this rank's process group unless a body already did, after the objects that
+    hold it (see ddpx_bench/launch.py's _run_rank: the group must end before exit)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def _next_task(tasks):
@@ -119,8 +127,6 @@ def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
     import atexit
     import runpy
 
-    import torch.distributed as dist
-
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -131,9 +137,7 @@ def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _end_group()
         atexit._run_exitfuncs()
 
 
