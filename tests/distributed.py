@@ -120,10 +120,11 @@ def train_small_ddp(rank: int, register=None, group=None) -> tuple[list, object]
     return [p.detach().flatten().tolist() for p in net.parameters()], registered
 
 
-def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
-    """A rank of run_nodes' forked nodes: torchrun's environment for it, its output in log_path,
-    the script run as __main__, then what an interpreter's exit runs (the process ends in
-    os._exit), after the process group is destroyed as ddpx_bench/launch.py's _run_rank does."""
+def _run_forked_rank(script: str, argv: list, env: dict, log_path: str) -> None:
+    """A rank of fork_job: torchrun's environment for it, the script's folder its working
+    directory, its output in log_path, the script run as __main__, then what an interpreter's
+    exit runs (the process ends in os._exit), after the process group is destroyed as
+    ddpx_bench/launch.py's _run_rank does."""
     import atexit
     import runpy
 
@@ -132,6 +133,7 @@ def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
     os.dup2(log, 2)
     die_with_parent()  # the fork server, which ends with the test process
     os.environ.update(env)
+    os.chdir(os.path.dirname(script))
     torch.set_num_threads(1)
     sys.argv = [script, *argv]
     try:
@@ -141,55 +143,37 @@ def _run_node_rank(script: str, argv: list, env: dict, log_path: str) -> None:
         atexit._run_exitfuncs()
 
 
-def run_nodes(source: str, tmp_path, nodes: int = 2, torchrun: bool = False) -> list[dict]:
-    """Runs the job ``source`` as ``nodes`` nodes of 2 ranks on this machine (its argument:
-    tmp_path, where each rank writes rank<N>.json); returns those, in rank order.
+def fork_job(script: Path, world: int, nodes: int = 1, argv: tuple = (), env: dict | None = None,
+             timeout: float = 180, wait_for_all: bool = False) -> tuple[list[int], str]:
+    """Runs the job ``script`` (with ``argv``) as torchrun would start it on ``nodes`` nodes of
+    world // nodes ranks each, but with every rank forked as RankPool's are: torchrun's
+    environment for each (GROUP_RANK telling the nodes apart) and ``env``, the script's folder
+    as its working directory, its output in rank<N>.log there. The same job without a process
+    per rank importing torch and torch._dynamo (about 6 s of a core each here).
 
-    With ``torchrun``, one torchrun launch per node, as users start them. Otherwise each rank is
-    forked as RankPool's are, with the environment torchrun gives it (GROUP_RANK telling the
-    nodes apart): the same job without six processes importing torch (about 20 s of a core
-    here). Either way a rank that fails ends the job, and the ranks' output is in the error."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    port = free_port()
-    if torchrun:
-        launches = [subprocess.Popen(
-            [TORCHRUN, "--nnodes", str(nodes), "--node_rank", str(node), "--nproc_per_node", "2",
-             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
-             str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"))
-            for node in range(nodes)]
-        try:
-            logs = [launch.communicate(timeout=180 * TIME_SCALE)[0] for launch in launches]
-        finally:
-            for launch in launches:
-                kill_job(launch, str(tmp_path))
-        assert all(launch.returncode == 0 for launch in launches), "\n".join(logs)
-    else:
-        _fork_nodes(script, tmp_path, nodes, port)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
-
-
-def _fork_nodes(script: Path, tmp_path: Path, nodes: int, port: int) -> None:
+    A rank that fails ends the job, the others killed, unless ``wait_for_all``; so does the
+    timeout (times TIME_SCALE). Returns the ranks' exit codes (a killed rank's negative) and
+    their output, which says which ranks were killed and why."""
     ctx = _rank_context()
-    world = 2 * nodes
+    per_node = world // nodes
+    port = free_port()
     ranks = []
     for rank in range(world):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % 2),
-               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2),
-               "GROUP_WORLD_SIZE": str(nodes), "ROLE_RANK": str(rank),
-               "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "none",
-               "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-               "OMP_NUM_THREADS": "1"}
-        process = ctx.Process(target=_run_node_rank, args=(
-            str(script), [str(tmp_path)], env, str(tmp_path / f"rank{rank}.log")))
+        rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                    "GROUP_RANK": str(rank // per_node), "GROUP_WORLD_SIZE": str(nodes),
+                    "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0",
+                    "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+        process = ctx.Process(target=_run_forked_rank, args=(
+            str(script), [str(arg) for arg in argv], rank_env,
+            str(script.parent / f"rank{rank}.log")))
         process.start()
         ranks.append(process)
-    deadline = time.monotonic() + 180 * TIME_SCALE
+    deadline = time.monotonic() + timeout * TIME_SCALE
     while (any(p.is_alive() for p in ranks) and time.monotonic() < deadline
-           and not any(p.exitcode for p in ranks)):
+           and (wait_for_all or not any(p.exitcode for p in ranks))):
         time.sleep(0.1)
     running = [r for r, p in enumerate(ranks) if p.is_alive()]
     for process in ranks:
@@ -198,14 +182,25 @@ def _fork_nodes(script: Path, tmp_path: Path, nodes: int, port: int) -> None:
         process.join()
     logs = ""
     if running and time.monotonic() >= deadline:
-        logs = f"ranks {running} did not finish in {180 * TIME_SCALE:g} s\n"
+        logs = f"ranks {running} did not finish in {timeout * TIME_SCALE:g} s\n"
     elif running:
         logs = f"ranks {running} were killed: another rank failed\n"
     for r, process in enumerate(ranks):
-        log = tmp_path / f"rank{r}.log"
+        log = script.parent / f"rank{r}.log"
         output = log.read_text() if log.exists() else "(no output: it did not start)"
         logs += f"rank {r} (exit code {process.exitcode}):\n{output}\n"
-    assert all(p.exitcode == 0 for p in ranks), logs
+    return [p.exitcode for p in ranks], logs
+
+
+def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
+    """Runs the job ``source`` as ``nodes`` nodes of 2 ranks on this machine (fork_job; its
+    argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order,
+    after checking that every rank succeeded."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    codes, logs = fork_job(script, 2 * nodes, nodes, argv=(tmp_path,))
+    assert codes == [0] * (2 * nodes), logs
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
 
 
 def torchrun(tmp_path: Path, name: str, source: str, *args: str, timeout: float = 180) -> str:
@@ -256,12 +251,14 @@ def _segments_of(pids) -> set[str]:
 
 
 def _rank_context():
-    """Where ranks start: forked from a server process that imported torch once (about 2 s of a
+    """Where ranks start: forked from a server process that imported torch once (about 3 s of a
     core per process here), so a rank starts in tens of milliseconds instead, yet as clean as a
     spawned one: the server runs no torch op and holds no thread, and ddpx, whose settings are
-    read at its import, is imported by each rank after its environment is set."""
+    read at its import, is imported by each rank after its environment is set. The server
+    imports torch._dynamo too, which DDP's constructor and torch.compile import at their first
+    call: another 2.5 s of a core in each rank that makes a DDP model."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 

@@ -10,8 +10,8 @@ do (or where one rank's chunk was refused it) give the same bits and count nothi
 reused and live tensors never share one. DDP on a ddpx world puts its gradients (as bucket views)
 in the arena and trains to gloo's bits, unless the user says otherwise (DDPX_COMM_MEMORY=0,
 DDP_DISABLE_COMM_MEM=1) or the arena is unusable (memfd_create refused). Ranks that cannot reach
-each other's memory still reduce arena tensors right. Faults, under torchrun: a peer that dies
-in a zero-copy all-reduce fails every survivor, and SIGKILLed ranks leave nothing in /dev/shm or
+each other's memory still reduce arena tensors right. Faults: a peer that dies in a zero-copy
+all-reduce fails every survivor, and ranks SIGKILLed under torchrun leave nothing in /dev/shm or
 running.
 
 All-gathers (FSDP2's way, in place), broadcasts and reduce-scatters of arena tensors read the
@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from test_faults import (
     assert_no_job_left,
+    fork_to_fail,
     kill_every_rank,
     launch,
     read_pids,
     reap,
-    run_job,
     wait_for_pids,
 )
 from test_hook import SUM_ORDER_TOLERANCE
@@ -800,20 +800,18 @@ def test_an_unusable_arena_says_why_and_ddp_trains_in_ordinary_memory():
 
 
 # ---------------------------------------------------------------------------------------------
-# Faults, under torchrun: a peer that dies mid zero-copy all-reduce; every rank SIGKILLed
+# Faults: a peer that dies mid zero-copy all-reduce; every rank SIGKILLed under torchrun
 
 GROUP_TIMEOUT = 15
 
 PEER_DIES = f"""
-    import os, signal, subprocess, sys, time
+    import os, subprocess, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
     import ddpx
     from ddpx._ext import extension
 
     torch.set_num_threads(1)
-    # torchrun SIGTERMs the others once rank 1 dies: ignoring it lets each show what it raised.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("ddpx", timeout=timedelta(seconds={GROUP_TIMEOUT}))
     rank = dist.get_rank()
     engine = ddpx.backend_of().engine
@@ -850,16 +848,13 @@ def job_shm(before: set[str]) -> set[str]:
             if name.startswith("ddpx-") or "arena" in name}
 
 
-# With 3 threads per rank, a survivor's helpers are mid-block when the peer dies. Each way of
-# dying and each thread count once by default; a SIGKILL with 1 thread -m slow.
-@pytest.mark.parametrize("how, threads", [("exit", 1),
-                                          pytest.param("sigkill", 1, marks=pytest.mark.slow),
-                                          ("sigkill", 3)])
+# With 3 threads per rank, a survivor's helpers are mid-block when the peer dies.
+@pytest.mark.parametrize("how, threads", [("exit", 1), ("sigkill", 1), ("sigkill", 3)])
 def test_a_peer_that_dies_mid_zero_copy_all_reduce_fails_every_survivor(how, threads, tmp_path):
     before = set(os.listdir("/dev/shm"))
-    rc, out, _ = run_job(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)},
-                         timeout=120)
-    assert rc != 0 and "UNREACHABLE" not in out, out
+    codes, out, _ = fork_to_fail(PEER_DIES, 3, tmp_path, how, env={"DDPX_THREADS": str(threads)})
+    assert codes == [1, 3 if how == "exit" else -signal.SIGKILL, 1], out
+    assert "UNREACHABLE" not in out, out
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == ["error.0", "error.2"], out
     for name, text in raised.items():

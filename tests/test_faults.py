@@ -1,8 +1,8 @@
-"""Faults injected for real: a rank SIGKILLed in the middle of training (torchrun, 2 and 4 ranks)
-and while its peer waits to receive from it, every rank SIGKILLed mid-all-reduce, two jobs on
-the node at once, ranks whose DDP models disagree, a /dev/shm too small for the segment (a
-private 1 MiB tmpfs mount), empty tensors and foreign groups, and NaN/Inf gradients against
-DDP's default all-reduce."""
+"""Faults injected for real: a rank SIGKILLed in the middle of training (2 and 4 ranks, on one
+node or two; forked ranks with torchrun's environment) and while its peer waits to receive from
+it, every rank SIGKILLed mid-all-reduce under torchrun, two jobs on the node at once, ranks whose
+DDP models disagree, a /dev/shm too small for the segment (a private 1 MiB tmpfs mount), empty
+tensors and foreign groups, and NaN/Inf gradients against DDP's default all-reduce."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch import nn
 from distributed import (
     TIME_SCALE,
     TORCHRUN,
+    fork_job,
     job_processes,
     kill_job,
     left_in_shm,
@@ -66,6 +67,18 @@ def run_job(script: str, nproc: int, directory, *extra: str, timeout: float,
         reap(proc)
 
 
+def fork_to_fail(script: str, world: int, directory, *argv: str, nodes: int = 1,
+                 env: dict | None = None) -> tuple[list[int], str, float]:
+    """``script`` (written into ``directory``) as a job of forked ranks (distributed.fork_job),
+    every rank left to end on its own however the others end: their exit codes, their output
+    and the job's seconds."""
+    path = directory / "job.py"
+    path.write_text(textwrap.dedent(script))
+    start = time.monotonic()
+    codes, out = fork_job(path, world, nodes, argv, env, timeout=90, wait_for_all=True)
+    return codes, out, time.monotonic() - start
+
+
 def reap(proc: subprocess.Popen) -> None:
     kill_job(proc, proc.marker)
 
@@ -111,7 +124,7 @@ def kill_every_rank(proc: subprocess.Popen, pids: list[int]) -> None:
 # 1. A rank SIGKILLed in the middle of training
 
 TRAIN_AND_DIE = """
-    import os, signal, sys
+    import os, signal
     from datetime import timedelta
     import torch, torch.distributed as dist
     from torch import nn
@@ -119,12 +132,6 @@ TRAIN_AND_DIE = """
     import ddpx
 
     torch.set_num_threads(1)
-    # torchrun SIGTERMs the other workers once it sees rank 1 die; ignoring that lets every
-    # survivor show what ddpx raised (torchrun still SIGKILLs them after its grace period).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if "NODES" in os.environ:  # split the ranks into nodes, as a multi-node launch would
-        per_node = int(os.environ["LOCAL_WORLD_SIZE"]) // int(os.environ["NODES"])
-        os.environ["GROUP_RANK"] = str(int(os.environ["LOCAL_RANK"]) // per_node)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     open(f"pid.{rank}", "w").write(str(os.getpid()))
@@ -165,18 +172,15 @@ TRAIN_AND_DIE = """
 """
 
 
-# 4 ranks (on one node, or split into two): -m slow.
-@pytest.mark.parametrize("world, nodes, hook",
-                         [(2, 1, ""), (2, 1, "process group"),
-                          pytest.param(4, 1, "", marks=pytest.mark.slow),
-                          pytest.param(4, 2, "", marks=pytest.mark.slow), (4, 2, "int8+step")])
+@pytest.mark.parametrize("world, nodes, hook", [(2, 1, ""), (2, 1, "process group"),
+                                                (4, 1, ""), (4, 2, ""), (4, 2, "int8+step")])
 def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook, tmp_path):
     before = shm_segments()
-    env = {"NODES": str(nodes), "HOOK": hook}
+    env = {"HOOK": hook}
     if hook == "process group":
         env["DDPX_SHM_MB"] = "1"
-    rc, out, elapsed = run_job(TRAIN_AND_DIE, world, tmp_path, env=env, timeout=90)
-    assert rc != 0, out
+    codes, out, elapsed = fork_to_fail(TRAIN_AND_DIE, world, tmp_path, nodes=nodes, env=env)
+    assert codes == [-signal.SIGKILL if r == 1 else 1 for r in range(world)], out
     assert elapsed < 60 * TIME_SCALE, f"the job took {elapsed:.0f} s to fail"
     assert "UNREACHABLE" not in out
     # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
@@ -215,7 +219,6 @@ RECEIVE_FROM_THE_DEAD = """
     import torch, torch.distributed as dist
     import ddpx
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as above: let rank 1 show what it raised
     dist.init_process_group("ddpx", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
     open(f"pid.{rank}", "w").write(str(os.getpid()))
@@ -238,8 +241,8 @@ def test_a_rank_killed_while_its_peer_waits_in_recv_fails_the_recv(tmp_path):
     """The ddpx backend's point-to-point: a receive from a rank that dies raises well within
     the group's timeout (300 s), naming the dead rank."""
     before = shm_segments()
-    rc, out, _ = run_job(RECEIVE_FROM_THE_DEAD, 2, tmp_path, timeout=90)
-    assert rc != 0 and "UNREACHABLE" not in out, out
+    codes, out, _ = fork_to_fail(RECEIVE_FROM_THE_DEAD, 2, tmp_path)
+    assert codes == [-signal.SIGKILL, 1] and "UNREACHABLE" not in out, out
     took, error = (tmp_path / "error.1").read_text().split(" s: ", 1)
     assert "ddpx: rank 0 exited while rank 1 waited to receive 4000 bytes (tag 0) from it" \
         in error, error

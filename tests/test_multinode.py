@@ -1,7 +1,8 @@
-"""Two nodes on one machine: two torchrun launches side by side (--nnodes 2, 2 ranks each), so
-ddpx must find its nodes from the launcher (GROUP_RANK) and reduce hierarchically: within each
-node through that node's own segment, across nodes through the process group (the other jobs'
-ranks are forked with torchrun's environment: distributed.run_nodes). Also with
+"""Two nodes on one machine, 2 ranks each, every rank with the environment that torchrun's
+--nnodes 2 gives it (distributed.run_nodes; CI also runs the docs' torchrun and Accelerate
+launch lines on two network hosts: tests/tooling/test_docs.py), so ddpx must find its nodes from
+the launcher (GROUP_RANK) and reduce hierarchically: within each node through that node's own
+segment, across nodes through the process group. Also with
 compression, for groups other than the world, and with bad calls that must raise on every node.
 The backend's collectives the same way, against gloo and the references (collective_checks.py,
 as test_backend.py checks one node), on two nodes and on three."""
@@ -109,7 +110,7 @@ JOB = inspect.getsource(train_small_ddp) + textwrap.dedent('''
 
 def test_two_nodes_reduce_hierarchically_and_match_the_default_all_reduce(tmp_path):
     segments = shm_segments()
-    results = run_nodes(JOB, tmp_path, torchrun=True)
+    results = run_nodes(JOB, tmp_path)
 
     for result in results:
         assert result["engine"] == {"local_ranks": 2, "nodes": 2}, result["engine"]

@@ -1,18 +1,21 @@
 """ddpx in PyTorch Lightning, as its users write it: ``DDPStrategy(process_group_backend="ddpx")``
 and the fused hook as a callback (Lightning's ``ddp_comm_hook`` is for CUDA models only), each on
-2 CPU processes under torchrun, against Lightning's default DDP on gloo: the same final weights,
-and ddpx really on the path. And a FusedHookState made before any process group exists, as
-``DDPStrategy(ddp_comm_state=...)`` makes it, binds when DDP first calls the hook."""
+2 CPU processes with the environment torchrun gives them, against Lightning's default DDP on
+gloo: the same final weights, and ddpx really on the path. And a FusedHookState made before any
+process group exists, as ``DDPStrategy(ddp_comm_state=...)`` makes it, binds when DDP first calls
+the hook."""
 
-import subprocess
+import importlib
 import sys
+from importlib.util import find_spec
 
 import pytest
 import torch
 
-from distributed import torchrun
+from distributed import fork_job, run_ranks
 
-pytest.importorskip("lightning")
+# Lightning's import takes 6 s of a core: its jobs import it, this process need not.
+pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="needs lightning")
 
 JOB = '''
 import gc
@@ -78,9 +81,13 @@ dist.destroy_process_group()
 
 
 def train(modes: str, tmp_path, source: str = JOB) -> dict:
-    """The job ``source`` run once under torchrun for ``modes`` (comma-separated, trained one
-    after the other in the same ranks); what rank 0 saved, by mode."""
-    torchrun(tmp_path, "job.py", source, modes, str(tmp_path))
+    """The job ``source`` run once on 2 ranks with torchrun's environment (forked:
+    distributed.fork_job) for ``modes`` (comma-separated, trained one after the other in the
+    same ranks); what rank 0 saved, by mode, after checking that no rank failed or aborted."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    codes, logs = fork_job(script, 2, argv=(modes, tmp_path))
+    assert codes == [0, 0] and "terminate called" not in logs, logs
     return {mode: torch.load(tmp_path / f"{mode}.pt") for mode in modes.split(",")}
 
 
@@ -105,30 +112,30 @@ TRAINER_MODULES = {"lightning": ("lightning", "pip install lightning"),
                    "transformers": ("transformers", "pip install transformers")}
 
 
+def reach_trainer_modules(rank: int, world: int) -> str:
+    """What a rank forked before ddpx's import prints (each line: module, then its name or its
+    error): rank 0 reaching each trainer module without their libraries; rank 1 and 2, with
+    them, after ``import ddpx`` alone, ``ddpx.lightning`` and ``ddpx.transformers``."""
+    if rank == 0:
+        for package, _ in TRAINER_MODULES.values():
+            sys.modules[package] = None  # as where it is not installed
+    ddpx = importlib.import_module("ddpx")
+    modules = list(TRAINER_MODULES) if rank == 0 else [list(TRAINER_MODULES)[rank - 1]]
+    lines = ""
+    for module in modules:
+        try:
+            lines += f"{module} {getattr(ddpx, module).__name__}\n"
+        except ImportError as error:
+            lines += f"{module} {type(error).__name__}: {error}\n"
+    return lines
+
+
 @pytest.fixture(scope="module")
 def trainer_modules() -> tuple[str, str]:
-    """What two fresh interpreters print: one reaching each trainer module after ``import ddpx``
-    alone, one doing so without their libraries (each line: module, then its name or its
-    error)."""
-    def run(source: str) -> str:
-        done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
-
-    found = run("import ddpx\n"
-                f"for module in {list(TRAINER_MODULES)}:\n"
-                "    print(module, getattr(ddpx, module).__name__)")
-    missing = run("import sys\n"
-                  f"for package, _ in {list(TRAINER_MODULES.values())}:\n"
-                  "    sys.modules[package] = None\n"
-                  "import ddpx\n"
-                  f"for module in {list(TRAINER_MODULES)}:\n"
-                  "    try:\n"
-                  "        getattr(ddpx, module)\n"
-                  "    except ImportError as error:\n"
-                  "        print(module, f'{type(error).__name__}: {error}')")
-    return found, missing
+    """What ranks forked from a server that imported torch alone print (reach_trainer_modules):
+    the libraries' imports (6 s of a core for Lightning's) on two of them at once."""
+    missing, *found = run_ranks(reach_trainer_modules, 1 + len(TRAINER_MODULES))
+    return "".join(found), missing
 
 
 @pytest.mark.parametrize("module", sorted(TRAINER_MODULES))
