@@ -136,7 +136,10 @@ TRAIN_AND_DIE = """
     rank = dist.get_rank()
     open(f"pid.{rank}", "w").write(str(os.getpid()))
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    # sparse: every gradient bucket sparse, which the process group sums.
+    sparse = os.environ["HOOK"] == "sparse"
+    net = (nn.EmbeddingBag(1000, 64, sparse=True) if sparse
+           else nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
     # int8+step: int8 across the nodes, each bucket's chunks in flight through backward and the
     # optimizer stepping each bucket on the engine's thread once reduced; and at step 5, when rank
     # 1 dies, a resumed model's first step, whose one bucket is reduced as the saved ones.
@@ -159,7 +162,8 @@ TRAIN_AND_DIE = """
         for step in range(1000):
             if rank == 1 and step == 5:
                 os.kill(os.getpid(), signal.SIGKILL)
-            loss = model(torch.randn(32, 64)).square().mean()
+            x = torch.randint(0, 1000, (32, 8)) if sparse else torch.randn(32, 64)
+            loss = model(x).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -173,7 +177,8 @@ TRAIN_AND_DIE = """
 
 
 @pytest.mark.parametrize("world, nodes, hook", [(2, 1, ""), (2, 1, "process group"),
-                                                (4, 1, ""), (4, 2, ""), (4, 2, "int8+step")])
+                                                (2, 1, "sparse"), (4, 1, ""), (4, 2, ""),
+                                                (4, 2, "int8+step")])
 def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook, tmp_path):
     before = shm_segments()
     env = {"HOOK": hook}
@@ -185,7 +190,8 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook,
     assert "UNREACHABLE" not in out
     # Every surviving rank raises at the step rank 1 died in, naming ddpx, the dead rank and the
     # bucket (directly, or as the message of the rank that aborted the all-reduce); through the
-    # process group, the bucket, the path and why, and gloo's error.
+    # process group, the bucket, the path and why, and gloo's error; sparse buckets, which the
+    # process group sums, the bucket and gloo's error.
     # (Each rank writes its error to its own file: the ranks' output lines interleave.)
     raised = {p.name: p.read_text() for p in tmp_path.glob("error.*")}
     assert sorted(raised) == [f"error.{r}" for r in range(world) if r != 1], out
@@ -194,6 +200,10 @@ def test_a_rank_killed_mid_training_fails_the_job_everywhere(world, nodes, hook,
         assert "gradient bucket" in line, line
         if hook == "process group":
             assert "failed on the process-group path (" in line and "DDPX_SHM_MB" in line, line
+            assert "gloo" in line, line
+            continue
+        if hook == "sparse":
+            assert "(sparse) failed in the process group's all-reduce: " in line, line
             assert "gloo" in line, line
             continue
         if nodes == 1 or name == "error.0":  # rank 0 shares rank 1's node

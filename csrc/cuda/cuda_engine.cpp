@@ -66,7 +66,8 @@ class CudaEngine final : public Engine {
     const c10::cuda::CUDAGuard device(tensor.device());
     if (tensor.numel() == 0) return completed(tensor);
     if (wire == at::kFloat || wire == at::kDouble) {
-      return scaled_allreduce(*group_, tensor, request.scale, backend_ == "nccl");
+      return scaled_allreduce(*group_, tensor, request.scale, backend_ == "nccl",
+                              "ddpx: " + request.what + " failed in " + backend_ + "'s all-reduce");
     }
     return allreduce_compressed(tensor, wire, request.scale);
   }

@@ -23,9 +23,28 @@
 
 namespace ddpx {
 
+namespace {
+
+// The error of a failed group all-reduce as ddpx raises it: `failure`, then the group's own.
+std::exception_ptr failed(const std::string& failure, const std::exception_ptr& cause) {
+  try {
+    std::rethrow_exception(cause);
+  } catch (const std::exception& error) {
+    try {
+      C10_THROW_ERROR(DistBackendError, failure + ": " + error.what());
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+  }
+  return cause;
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
                                                          at::Tensor tensor, double scale,
-                                                         bool premul_sum) {
+                                                         bool premul_sum, std::string failure) {
   c10d::AllreduceOptions opts;
   if (scale != 1.0 && premul_sum) {
     opts.reduceOp.op_ = c10d::ReduceOp::PREMUL_SUM;
@@ -37,10 +56,10 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
   auto work = group.allreduce(tensors, opts);
   auto done = work->getFuture();
   if (tensor.device().is_cpu() || !done->devices().empty()) {
-    // then() runs its callback on a failed future too: value() passes the group's error on.
+    // then() runs its callback on a failed future too: the group's error must be passed on.
     return done->then(
-        [tensor](c10::ivalue::Future& reduced) {
-          reduced.value();
+        [tensor, failure = std::move(failure)](c10::ivalue::Future& reduced) {
+          if (reduced.hasError()) std::rethrow_exception(failed(failure, reduced.exception_ptr()));
           return c10::IValue(tensor);
         },
         c10::TensorType::get());
@@ -53,15 +72,16 @@ c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& gro
                                                          std::vector<c10::Device>{tensor.device()});
   const c10::impl::VirtualGuardImpl guard_impl(tensor.device().type());
   const c10::Stream caller = guard_impl.getStream(tensor.device());
-  done->addCallback([work, result, tensor, caller](c10::ivalue::Future& finished) {
-    if (finished.hasError()) {
-      result->setError(finished.exception_ptr());
-      return;
-    }
-    const c10::StreamGuard on_caller(caller);
-    work->synchronize();
-    result->markCompleted(c10::IValue(tensor));
-  });
+  done->addCallback(
+      [work, result, tensor, caller, failure = std::move(failure)](c10::ivalue::Future& finished) {
+        if (finished.hasError()) {
+          result->setError(failed(failure, finished.exception_ptr()));
+          return;
+        }
+        const c10::StreamGuard on_caller(caller);
+        work->synchronize();
+        result->markCompleted(c10::IValue(tensor));
+      });
   return result;
 }
 
@@ -135,8 +155,10 @@ void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request)
 
 c10::intrusive_ptr<c10::ivalue::Future> Engine::run_async(at::Tensor tensor, Request request) {
   if (!tensor.is_sparse()) return reduce_async(std::move(tensor), std::move(request));
-  return scaled_allreduce(*sparse_group(request), std::move(tensor), request.scale,
-                          /*premul_sum=*/false);
+  return scaled_allreduce(
+      *sparse_group(request), std::move(tensor), request.scale,
+      /*premul_sum=*/false,
+      "ddpx: " + request.what + " (sparse) failed in the process group's all-reduce");
 }
 
 void Engine::run(at::Tensor tensor, const Request& request) {
@@ -388,18 +410,9 @@ c10::intrusive_ptr<c10::ivalue::Future> ProcessGroupEngine::reduce_async(at::Ten
                                                                          Request request) {
   TORCH_CHECK_VALUE(!request.wire || *request.wire == tensor.scalar_type(),
                     "ddpx: compression is not available on the process-group path (", reason_, ")");
-  return scaled_allreduce(*group_, std::move(tensor), request.scale, /*premul_sum=*/false)
-      ->then(
-          [what = request.what, reason = reason_](c10::ivalue::Future& reduced) {
-            try {
-              return reduced.value();
-            } catch (const std::exception& error) {
-              C10_THROW_ERROR(DistBackendError, "ddpx: " + what +
-                                                    " failed on the process-group path (" + reason +
-                                                    "): " + error.what());
-            }
-          },
-          c10::TensorType::get());
+  return scaled_allreduce(
+      *group_, std::move(tensor), request.scale, /*premul_sum=*/false,
+      "ddpx: " + request.what + " failed on the process-group path (" + reason_ + ")");
 }
 
 void ProcessGroupEngine::reduce(at::Tensor tensor, const Request& request) {

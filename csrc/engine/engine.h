@@ -29,10 +29,12 @@ namespace ddpx {
 // The group's all-reduce of tensor with every rank's input scaled by `scale` (inside the
 // reduction as a premultiplied sum with premul_sum, which NCCL has; else by a multiplication
 // first). The future holds tensor; for a CUDA tensor it is a CUDA future (on every backend), so
-// that waiting for it orders the waiter's stream after the sum.
+// that waiting for it orders the waiter's stream after the sum. If the group's all-reduce fails,
+// the future fails with a DistBackendError of `failure` (what failed, on which path), then the
+// group's error.
 c10::intrusive_ptr<c10::ivalue::Future> scaled_allreduce(c10d::ProcessGroup& group,
                                                          at::Tensor tensor, double scale,
-                                                         bool premul_sum);
+                                                         bool premul_sum, std::string failure);
 
 // The all-reduce of a tensor on the node, whoever asks: the input checked (invalid_input: a rank's
 // invalid input is rejected, so every rank's call raises it), the wire dtype decided (wire_dtype)
