@@ -132,8 +132,9 @@ def reach_trainer_modules(rank: int, world: int) -> str:
 
 @pytest.fixture(scope="module")
 def trainer_modules() -> tuple[str, str]:
-    """What ranks forked from a server that imported torch alone print (reach_trainer_modules):
-    the libraries' imports (6 s of a core for Lightning's) on two of them at once."""
+    """What ranks forked from a server that imported torch, and neither ddpx nor the trainers'
+    libraries, print (reach_trainer_modules): the libraries' imports (6 s of a core for
+    Lightning's) on two of them at once."""
     missing, *found = run_ranks(reach_trainer_modules, 1 + len(TRAINER_MODULES))
     return "".join(found), missing
 
