@@ -143,17 +143,21 @@ def _run_forked_rank(script: str, argv: list, env: dict, log_path: str) -> None:
         atexit._run_exitfuncs()
 
 
-def fork_job(script: Path, world: int, nodes: int = 1, argv: tuple = (), env: dict | None = None,
-             timeout: float = 180, wait_for_all: bool = False) -> tuple[list[int], str]:
-    """Runs the job ``script`` (with ``argv``) as torchrun would start it on ``nodes`` nodes of
-    world // nodes ranks each, but with every rank forked as RankPool's are: torchrun's
-    environment for each (GROUP_RANK telling the nodes apart) and ``env``, the script's folder
-    as its working directory, its output in rank<N>.log there. The same job without a process
-    per rank importing torch and torch._dynamo (about 6 s of a core each here).
+def fork_job(source: str, folder: Path, world: int, nodes: int = 1, argv: tuple = (),
+             env: dict | None = None, timeout: float = 180,
+             wait_for_all: bool = False) -> tuple[list[int], str]:
+    """Writes the job ``source`` to ``folder``/job.py and runs it (with ``argv``) as torchrun
+    would start it on ``nodes`` nodes of world // nodes ranks each, but with every rank forked as
+    RankPool's are: torchrun's environment for each (GROUP_RANK telling the nodes apart) and
+    ``env``, ``folder`` as its working directory, its output in rank<N>.log there. The same job
+    without a process per rank importing torch and torch._dynamo (about 6 s of a core each
+    here).
 
     A rank that fails ends the job, the others killed, unless ``wait_for_all``; so does the
     timeout (times TIME_SCALE). Returns the ranks' exit codes (a killed rank's negative) and
     their output, which says which ranks were killed and why."""
+    script = folder / "job.py"
+    script.write_text(source)
     ctx = _rank_context()
     per_node = world // nodes
     port = free_port()
@@ -168,7 +172,7 @@ def fork_job(script: Path, world: int, nodes: int = 1, argv: tuple = (), env: di
                     "TORCHELASTIC_MAX_RESTARTS": "0", "OMP_NUM_THREADS": "1", **(env or {})}
         process = ctx.Process(target=_run_forked_rank, args=(
             str(script), [str(arg) for arg in argv], rank_env,
-            str(script.parent / f"rank{rank}.log")))
+            str(folder / f"rank{rank}.log")))
         process.start()
         ranks.append(process)
     deadline = time.monotonic() + timeout * TIME_SCALE
@@ -186,7 +190,7 @@ def fork_job(script: Path, world: int, nodes: int = 1, argv: tuple = (), env: di
     elif running:
         logs = f"ranks {running} were killed: another rank failed\n"
     for r, process in enumerate(ranks):
-        log = script.parent / f"rank{r}.log"
+        log = folder / f"rank{r}.log"
         output = log.read_text() if log.exists() else "(no output: it did not start)"
         logs += f"rank {r} (exit code {process.exitcode}):\n{output}\n"
     return [p.exitcode for p in ranks], logs
@@ -196,9 +200,7 @@ def run_nodes(source: str, tmp_path, nodes: int = 2) -> list[dict]:
     """Runs the job ``source`` as ``nodes`` nodes of 2 ranks on this machine (fork_job; its
     argument: tmp_path, where each rank writes rank<N>.json); returns those, in rank order,
     after checking that every rank succeeded."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    codes, logs = fork_job(script, 2 * nodes, nodes, argv=(tmp_path,))
+    codes, logs = fork_job(source, tmp_path, 2 * nodes, nodes, argv=(tmp_path,))
     assert codes == [0] * (2 * nodes), logs
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2 * nodes)]
 

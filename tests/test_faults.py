@@ -69,13 +69,12 @@ def run_job(script: str, nproc: int, directory, *extra: str, timeout: float,
 
 def fork_to_fail(script: str, world: int, directory, *argv: str, nodes: int = 1,
                  env: dict | None = None) -> tuple[list[int], str, float]:
-    """``script`` (written into ``directory``) as a job of forked ranks (distributed.fork_job),
-    every rank left to end on its own however the others end: their exit codes, their output
-    and the job's seconds."""
-    path = directory / "job.py"
-    path.write_text(textwrap.dedent(script))
+    """``script`` as a job of forked ranks in ``directory`` (distributed.fork_job), every rank
+    left to end on its own however the others end: their exit codes, their output and the
+    job's seconds."""
     start = time.monotonic()
-    codes, out = fork_job(path, world, nodes, argv, env, timeout=90, wait_for_all=True)
+    codes, out = fork_job(textwrap.dedent(script), directory, world, nodes, argv, env,
+                          timeout=90, wait_for_all=True)
     return codes, out, time.monotonic() - start
 
 

@@ -84,9 +84,7 @@ def train(modes: str, tmp_path, source: str = JOB) -> dict:
     """The job ``source`` run once on 2 ranks with torchrun's environment (forked:
     distributed.fork_job) for ``modes`` (comma-separated, trained one after the other in the
     same ranks); what rank 0 saved, by mode, after checking that no rank failed or aborted."""
-    script = tmp_path / "job.py"
-    script.write_text(source)
-    codes, logs = fork_job(script, 2, argv=(modes, tmp_path))
+    codes, logs = fork_job(source, tmp_path, 2, argv=(modes, tmp_path))
     assert codes == [0, 0] and "terminate called" not in logs, logs
     return {mode: torch.load(tmp_path / f"{mode}.pt") for mode in modes.split(",")}
 

@@ -250,9 +250,7 @@ def test_the_readmes_torch_is_the_one_ci_tests():
 
 def test_the_readme_api_lines_run_as_written(tmp_path):
     """(On ranks forked with torchrun's environment: the examples above run under torchrun.)"""
-    script = tmp_path / "api.py"
-    script.write_text(API_JOB)
-    codes, stdout = fork_job(script, 2)
+    codes, stdout = fork_job(API_JOB, tmp_path, 2)
     assert codes == [0, 0], stdout
     assert stdout.count("PATHS ddpx shared memory, 2 ranks a node") == 2, stdout
     assert stdout.count("SCHEDULE auto") == 2 and stdout.count("ACCELERATE 2") == 2
