@@ -357,11 +357,6 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
     return hi - lo;
   }();
   const int64_t total = slice_offset(x, full_slice, x.n);
-  const std::shared_ptr<std::vector<char>> node_sums =
-      comm.buffers().node_sums(size_t(total) * x.acc_size);
-  auto sums_at = [&](int64_t b) {
-    return node_sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
-  };
   // int8: the residual of the node sums' rounding, then (more than two nodes) of the pieces'.
   const std::shared_ptr<Residual> residual = call.int8 ? call.int8->residual : nullptr;
   float* residuals = residual ? residual->sized(link.nodes() > 2 ? 2 * total : total) : nullptr;
@@ -383,6 +378,14 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   // it carries the first block where the blocks go through the slots.
   const Opening opening = open_allreduce(call, OpenRule{-1, false, call.wide});
   if (opening.method == CopyMethod::Direct) call.peers = &opening.peers;
+  // Summed whole into the node sums: every chunk, but where a Direct int8 call sums its chunks
+  // after the first a tile at a time as they are rounded.
+  const int64_t summed_whole = call.int8 && call.peers ? chunk_elements(0) : total;
+  const std::shared_ptr<std::vector<char>> node_sums =
+      comm.buffers().node_sums(size_t(summed_whole) * x.acc_size);
+  auto sums_at = [&](int64_t b) {
+    return node_sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
+  };
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
     // A Direct int8 chunk is summed within the node a tile at a time as it is rounded, but for
