@@ -378,19 +378,18 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   // it carries the first block where the blocks go through the slots.
   const Opening opening = open_allreduce(call, OpenRule{-1, false, call.wide});
   if (opening.method == CopyMethod::Direct) call.peers = &opening.peers;
-  // Summed whole into the node sums: every chunk, but where a Direct int8 call sums its chunks
-  // after the first a tile at a time as they are rounded.
-  const int64_t summed_whole = call.int8 && call.peers ? chunk_elements(0) : total;
+  // A Direct int8 call sums its chunks within the node a tile at a time as they are rounded, but
+  // for the first, summed whole while the check across nodes crosses: no chunk crosses before
+  // it. The node sums hold what is summed whole.
+  const bool tiles = call.int8 && call.peers;
   const std::shared_ptr<std::vector<char>> node_sums =
-      comm.buffers().node_sums(size_t(summed_whole) * x.acc_size);
+      comm.buffers().node_sums(size_t(tiles ? chunk_elements(0) : total) * x.acc_size);
   auto sums_at = [&](int64_t b) {
     return node_sums->data() + size_t(slice_offset(x, full_slice, b)) * x.acc_size;
   };
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t first = chunk_start(c);
-    // A Direct int8 chunk is summed within the node a tile at a time as it is rounded, but for
-    // the first, summed whole while the check across nodes crosses: no chunk crosses before it.
-    const bool tiled = call.int8 && call.peers && c > 0;
+    const bool tiled = tiles && c > 0;
     for (int64_t b = first; b < chunk_start(c + 1) && !tiled; ++b) {
       const uint64_t step = call.peers ? 0 : arrive(call, b, opening.carried);
       const auto [lo, hi] = x.slice(x.elements(b));
