@@ -27,13 +27,21 @@ batches in the same order:
   ln(vocab) (9.01) and can fall to the chain's entropy, 1.28.
 
 The optimizer is Adam (--optimizer adam, the default): SGD with momentum 0.9 (--optimizer sgd)
-moves the 6-layer MLP, whose layers at PyTorch's default initialization each shrink the signal,
-off its first loss only after about half of 200 steps at its best learning rate, where Adam's
-per-parameter step sizes start it at once; and transformers are trained with Adam. Each step's
-loss is the mean over the ranks of each rank's loss (one all-reduce of every step's losses after
-the run, outside the steps). Reported per hook: the first loss, the final loss (the mean over the
-last 10 steps), its distance from default's final loss in percent, and whether every rank's final
-parameters are the same bits; --plot draws every hook's loss curve on one log axis per world size.
+moves the 6-layer MLP, whose layers at PyTorch's default initialization each shrink the signal, off
+its first loss only after about half of 200 steps at its best learning rate, where Adam's
+per-parameter step sizes start it at once; and transformers are trained with Adam. Its learning
+rate falls from --lr to 0 at the last step along half a cosine (--lr_schedule cosine, the default),
+as training runs end: at a constant rate (--lr_schedule constant) the parameters still wander with
+each small batch at the last step, and two hooks that sum the same gradients in another order
+(DDP's default and ddpx's float32) end up to 3% apart in held-out loss; annealed, 0.02%
+(docs/benchmarks.md). Each step's loss is the mean over the ranks of each rank's loss (one
+all-reduce of every step's losses after the run, outside the steps). Reported per hook: the first
+loss, the final loss (the mean over the last 10 steps), the held-out loss (the final parameters'
+mean loss on 64 batches per rank that no step trained on, the same batches for every hook) and its
+distance from default's in percent, and whether every rank's final parameters are the same bits;
+--plot draws every hook's loss curve on one log axis per world size. Each step's loss is of its own
+small batch, which moves it 2-5% between hooks that train alike; the held-out loss compares the
+hooks' models on one set of data.
 `none` communicates nothing, each rank stepping with its own gradients: not a way to train, shown
 as the curve of no communication. A hook other than `none` whose ranks end with different
 parameters makes the run exit with status 1 after the table.
@@ -56,6 +64,8 @@ from ddpx_bench.train import COMM_HOOKS, HOOK_SHORTHANDS, check_step, hooked_mod
 DEFAULT_HOOKS = ("default", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "none")
 # The final loss is the mean over this many last steps.
 FINAL_STEPS = 10
+# Each rank evaluates the final parameters on this many batches of its own that no step drew.
+HELD_OUT_BATCHES = 64
 # The MLP's inputs span this many dimensions; the chain gives each token this many successors.
 INPUT_DIMENSIONS = 8
 SUCCESSOR_PROBABILITIES = (0.4, 0.3, 0.2, 0.1)
@@ -71,18 +81,22 @@ def bench_converge(args) -> dict:
                            functools.partial(_optimizer, args=args))
     losses = {name: [] for name in models}
     steps_of = {
-        name: functools.partial(_step, model, optimizer, task, args.seed, batch_size,
-                                losses[name])
+        name: functools.partial(_step, model, optimizer, task, args, batch_size, losses[name])
         for name, (model, _, optimizer) in models.items()
     }
     steps_in_turns(steps_of, range(args.steps), f"world {dist.get_world_size()}")
-    curves = torch.tensor([losses[name] for name in models], dtype=torch.float64)
+    held_out = [_held_out_loss(model.module, task, args.seed, batch_size)
+                for model, _, _ in models.values()]
+    curves = torch.tensor([losses[name] + [loss] for name, loss in zip(models, held_out,
+                                                                        strict=True)],
+                          dtype=torch.float64)
     dist.all_reduce(curves)  # the sum over the ranks
     curves /= dist.get_world_size()
     progress("training done; comparing the ranks' parameters")
     nodes = node_count()
     rows = []
-    for (name, (model, describe, _)), curve in zip(models.items(), curves.tolist(), strict=True):
+    for (name, (model, describe, _)), (*curve, held_out_loss) in zip(
+            models.items(), curves.tolist(), strict=True):
         if name == "none":
             describe = "no communication, each rank its own gradients: not a way to train"
         same = same_on_all_ranks(model.module.parameters())
@@ -99,16 +113,19 @@ def bench_converge(args) -> dict:
             "steps": args.steps,
             "optimizer": args.optimizer,
             "lr": args.lr,
+            "lr_schedule": args.lr_schedule,
             "losses": curve,
             "first_loss": curve[0],
             "final_loss": sum(curve[-FINAL_STEPS:]) / len(curve[-FINAL_STEPS:]),
+            "held_out_loss": held_out_loss,
             "same_on_all_ranks": same,
             "trains": name != "none",
         })
-    default = next((row["final_loss"] for row in rows if row["hook"] == "default"), None)
+    default = next((row for row in rows if row["hook"] == "default"), None)
     for row in rows:
-        row["vs_default_pct"] = (100 * (row["final_loss"] - default) / default
-                                 if default else None)
+        for loss, pct in (("final_loss", "final_vs_default_pct"),
+                          ("held_out_loss", "vs_default_pct")):
+            row[pct] = 100 * (row[loss] - default[loss]) / default[loss] if default else None
     return {"rows": rows, "left_out": left_out, "notes": [], "failures": failures}
 
 
@@ -181,18 +198,37 @@ def _optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=args.lr)
 
 
-def _step(model, optimizer: torch.optim.Optimizer, task, seed: int, batch_size: int,
+def _learning_rate(args, index: int) -> float:
+    """Step `index`'s learning rate: --lr throughout, or (cosine) from --lr down to 0 at the last
+    step along half a cosine."""
+    if args.lr_schedule == "constant":
+        return args.lr
+    return args.lr * 0.5 * (1 + math.cos(math.pi * index / max(1, args.steps - 1)))
+
+
+def _step(model, optimizer: torch.optim.Optimizer, task, args, batch_size: int,
           losses: list[float], index: int) -> None:
     """Step `index` of `model` on this rank's batch of that step, the same for every hook."""
     generator = torch.Generator().manual_seed(
-        ((seed * 1_000_003 + dist.get_rank()) * 1_000_003 + index) % 2**63)
+        ((args.seed * 1_000_003 + dist.get_rank()) * 1_000_003 + index) % 2**63)
     batch = task.batch(generator, batch_size)
+    for group in optimizer.param_groups:
+        group["lr"] = _learning_rate(args, index)
     optimizer.zero_grad()
     loss = task.loss(model, batch)
     loss.backward()
     optimizer.step()
     check_step(model, index)
     losses.append(loss.item())
+
+
+def _held_out_loss(module: torch.nn.Module, task, seed: int, batch_size: int) -> float:
+    """This rank's mean loss of `module` over HELD_OUT_BATCHES batches from a stream of its own,
+    which no step's seed reaches (those lie below 2**62 for seeds, ranks and steps under 2**20)."""
+    generator = torch.Generator().manual_seed(2**62 + seed * 1_000_003 + dist.get_rank())
+    with torch.no_grad():
+        return sum(task.loss(module, task.batch(generator, batch_size)).item()
+                   for _ in range(HELD_OUT_BATCHES)) / HELD_OUT_BATCHES
 
 
 def _format_loss(value: float) -> str:
@@ -203,7 +239,8 @@ class Converge(Mode):
     name = "converge"
     help = "train a learnable task with each comm hook: the loss curves"
     measured = {"loss": "the mean over the ranks of each rank's loss at a step; final: the mean "
-                        f"over the last {FINAL_STEPS} steps"}
+                        f"over the last {FINAL_STEPS} steps; held-out: the final parameters' "
+                        f"mean loss on {HELD_OUT_BATCHES} batches per rank no step trained on"}
     world_sizes = (4,)
 
     def add_arguments(self, parser):
@@ -226,6 +263,9 @@ class Converge(Mode):
                             help="adam (default), or sgd: SGD with momentum 0.9")
         parser.add_argument("--lr", type=float, default=1e-3,
                             help="learning rate (default 1e-3, Adam's; SGD's is nearer 0.1)")
+        parser.add_argument("--lr_schedule", choices=("cosine", "constant"), default="cosine",
+                            help="cosine (default): from --lr down to 0 at the last step, as "
+                                 "training ends; constant: --lr at every step")
         node_options(parser)
 
     def run(self, args):
@@ -237,6 +277,7 @@ class Converge(Mode):
             ("hook", "<14", lambda row: row["hook"]),
             ("first loss", ">10", lambda row: _format_loss(row["first_loss"])),
             ("final loss", ">10", lambda row: _format_loss(row["final_loss"])),
+            ("held-out loss", ">13", lambda row: _format_loss(row["held_out_loss"])),
             ("vs default %", ">12", lambda row: "-" if row["vs_default_pct"] is None
              else f"{row['vs_default_pct']:+.2f}"),
             ("same on all ranks", "<17", lambda row: "yes" if row["same_on_all_ranks"] else "no"),
@@ -245,9 +286,11 @@ class Converge(Mode):
         first = rows[0]
         lines.append(
             f"{first['model']} of {first['params']} parameters, batch {first['batch_size']} per "
-            f"rank, {first['steps']} steps of {first['optimizer']} at lr {first['lr']:g}; final "
-            f"loss: the mean over the last {FINAL_STEPS} steps; vs default: its distance from "
-            "default's"
+            f"rank, {first['steps']} steps of {first['optimizer']} at lr {first['lr']:g} "
+            f"({first['lr_schedule']}); final "
+            f"loss: the mean over the last {FINAL_STEPS} steps; held-out loss: the final "
+            f"parameters' on {HELD_OUT_BATCHES} batches per rank that no step trained on; vs "
+            "default: the held-out loss's distance from default's"
         )
         if first.get("nodes", 1) > 1:
             lines.append(f"{first['world_size']} ranks on {first['nodes']} nodes")

@@ -5,9 +5,11 @@ which end with it; its console entry.
 It checks what the benchmark reports and writes, never how fast anything is.
 """
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpx_bench.converge import _learning_rate
 from ddpx_bench.processes import alive, left_in_shm, shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -843,13 +846,27 @@ def test_converge(tmp_path):
         # The same model on the same first batches: the same first loss, whatever the hook.
         assert row["first_loss"] == row["losses"][0] == default["first_loss"]
         assert row["final_loss"] == pytest.approx(statistics.mean(row["losses"][-10:]))
-        assert row["vs_default_pct"] == pytest.approx(
+        assert row["final_vs_default_pct"] == pytest.approx(
             100 * (row["final_loss"] - default["final_loss"]) / default["final_loss"])
+        assert row["vs_default_pct"] == pytest.approx(
+            100 * (row["held_out_loss"] - default["held_out_loss"]) / default["held_out_loss"])
         # Each rank of `none` steps with its own gradients, on its own data.
         assert row["same_on_all_ranks"] is row["trains"] is (row["hook"] != "none")
     assert default["vs_default_pct"] == 0
-    assert "final loss" in stdout and "vs default %" in stdout
+    assert default["held_out_loss"] < default["first_loss"]  # it learns what it did not see
+    assert default["lr_schedule"] == "cosine"
+    # ddpx's float32 hook sums in another order: 20 steps of Adam on it end a rounding apart.
+    assert abs(rows["ddpx"]["vs_default_pct"]) < 0.1
+    assert "final loss" in stdout and "held-out loss" in stdout and "vs default %" in stdout
     assert re.search(r" none .* no +no communication.*: not a way to train", stdout), stdout
+
+
+def test_converge_learning_rate():
+    cosine = argparse.Namespace(lr=1e-3, steps=201, lr_schedule="cosine")
+    assert [_learning_rate(cosine, i) for i in (0, 100, 200)] == pytest.approx([1e-3, 5e-4, 0])
+    assert _learning_rate(cosine, 50) == pytest.approx(1e-3 * (1 + math.sqrt(0.5)) / 2)
+    constant = argparse.Namespace(lr=1e-3, steps=201, lr_schedule="constant")
+    assert {_learning_rate(constant, i) for i in range(201)} == {1e-3}
 
 
 @pytest.mark.slow
