@@ -30,18 +30,17 @@ The optimizer is Adam (--optimizer adam, the default): SGD with momentum 0.9 (--
 moves the 6-layer MLP, whose layers at PyTorch's default initialization each shrink the signal, off
 its first loss only after about half of 200 steps at its best learning rate, where Adam's
 per-parameter step sizes start it at once; and transformers are trained with Adam. Its learning
-rate falls from --lr to 0 at the last step along half a cosine (--lr_schedule cosine, the default),
-as training runs end: at a constant rate (--lr_schedule constant) the parameters still wander with
-each small batch at the last step, and two hooks that sum the same gradients in another order
-(DDP's default and ddpx's float32) end up to 3% apart in held-out loss; annealed, 0.02%
-(docs/benchmarks.md). Each step's loss is the mean over the ranks of each rank's loss (one
-all-reduce of every step's losses after the run, outside the steps). Reported per hook: the first
-loss, the final loss (the mean over the last 10 steps), the held-out loss (the final parameters'
-mean loss on 64 batches per rank that no step trained on, the same batches for every hook) and its
-distance from default's in percent, and whether every rank's final parameters are the same bits;
---plot draws every hook's loss curve on one log axis per world size. Each step's loss is of its own
-small batch, which moves it 2-5% between hooks that train alike; the held-out loss compares the
-hooks' models on one set of data.
+rate falls from --lr toward 0 along half a cosine (--lr_schedule cosine, the default), as training
+runs end: at a constant rate (--lr_schedule constant) the parameters still wander with each small
+batch at the last step, and two hooks that sum the same gradients in another order (DDP's default
+and ddpx's float32) end up to 3% apart in held-out loss; annealed, 0.2% (docs/benchmarks.md). Each
+step's loss is the mean over the ranks of each rank's loss (one all-reduce of every step's losses
+after the run, outside the steps). Reported per hook: the first loss, the final loss (the mean over
+the last 10 steps), the held-out loss (the final parameters' mean loss on 64 batches per rank that
+no step trained on, the same batches for every hook) and its distance from default's in percent,
+and whether every rank's final parameters are the same bits; --plot draws every hook's loss curve
+on one log axis per world size. Each step's loss is of its own small batch, which moves it 2-5%
+between hooks that train alike; the held-out loss compares the hooks' models on one set of data.
 `none` communicates nothing, each rank stepping with its own gradients: not a way to train, shown
 as the curve of no communication. A hook other than `none` whose ranks end with different
 parameters makes the run exit with status 1 after the table.
@@ -199,11 +198,12 @@ def _optimizer(model: torch.nn.Module, args) -> torch.optim.Optimizer:
 
 
 def _learning_rate(args, index: int) -> float:
-    """Step `index`'s learning rate: --lr throughout, or (cosine) from --lr down to 0 at the last
-    step along half a cosine."""
+    """Step `index`'s learning rate: --lr throughout, or (cosine) from --lr at the first step
+    along half a cosine that reaches 0 one step after the last, as torch's CosineAnnealingLR
+    with T_max of the run's steps."""
     if args.lr_schedule == "constant":
         return args.lr
-    return args.lr * 0.5 * (1 + math.cos(math.pi * index / max(1, args.steps - 1)))
+    return args.lr * 0.5 * (1 + math.cos(math.pi * index / args.steps))
 
 
 def _step(model, optimizer: torch.optim.Optimizer, task, args, batch_size: int,
@@ -264,7 +264,7 @@ class Converge(Mode):
         parser.add_argument("--lr", type=float, default=1e-3,
                             help="learning rate (default 1e-3, Adam's; SGD's is nearer 0.1)")
         parser.add_argument("--lr_schedule", choices=("cosine", "constant"), default="cosine",
-                            help="cosine (default): from --lr down to 0 at the last step, as "
+                            help="cosine (default): from --lr toward 0 along half a cosine, as "
                                  "training ends; constant: --lr at every step")
         node_options(parser)
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpx_bench.converge import _learning_rate
 from ddpx_bench.processes import alive, left_in_shm, shm_segments
@@ -862,11 +863,19 @@ def test_converge(tmp_path):
 
 
 def test_converge_learning_rate():
-    cosine = argparse.Namespace(lr=1e-3, steps=201, lr_schedule="cosine")
-    assert [_learning_rate(cosine, i) for i in (0, 100, 200)] == pytest.approx([1e-3, 5e-4, 0])
-    assert _learning_rate(cosine, 50) == pytest.approx(1e-3 * (1 + math.sqrt(0.5)) / 2)
-    constant = argparse.Namespace(lr=1e-3, steps=201, lr_schedule="constant")
-    assert {_learning_rate(constant, i) for i in range(201)} == {1e-3}
+    cosine = argparse.Namespace(lr=1e-3, steps=200, lr_schedule="cosine")
+    assert [_learning_rate(cosine, i) for i in (0, 50, 100)] == pytest.approx(
+        [1e-3, 1e-3 * (1 + math.sqrt(0.5)) / 2, 5e-4])
+    assert 0 < _learning_rate(cosine, 199) < 1e-6  # the last step still moves, a little
+    # torch's own schedule, stepped once after each step, gives the same rates.
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=200)
+    for index in range(200):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(_learning_rate(cosine, index))
+        optimizer.step()
+        schedule.step()
+    constant = argparse.Namespace(lr=1e-3, steps=200, lr_schedule="constant")
+    assert {_learning_rate(constant, i) for i in range(200)} == {1e-3}
 
 
 @pytest.mark.slow
