@@ -95,9 +95,11 @@ def on_testbed(args, argv: list[str]) -> dict:
     for rate in args.link:
         for world_size in args.world_sizes:
             with tempfile.TemporaryDirectory(prefix="ddpx-bench-") as workdir, \
-                    testbed.Testbed(args.nodes, None if rate == "none" else rate) as bed:
+                    testbed.Testbed(args.nodes, None if rate == "none" else rate,
+                                    congestion=args.congestion) as bed:
                 tcp = bed.measure_tcp()
-                say(f"{args.nodes} nodes, link {rate}: TCP carries {tcp / 1e9:.3f} Gbit/s")
+                say(f"{args.nodes} nodes, link {rate}: TCP ({args.congestion}) carries "
+                    f"{tcp / 1e9:.3f} Gbit/s")
                 result_path = Path(workdir, "result.json")
                 jobs = bed.torchrun(["-m", "ddpx_bench", *argv],
                                     world_size // args.nodes,
@@ -111,7 +113,7 @@ def on_testbed(args, argv: list[str]) -> dict:
                                                         f"torchrun of node {failed[0]}")
                 result = json.loads(result_path.read_text())
             for row in result["rows"]:
-                row.update(link=rate, tcp_bits_per_s=tcp)
+                row.update(link=rate, tcp_bits_per_s=tcp, tcp_congestion=args.congestion)
             results.append(result)
     merged = _merged(results)
     MODES[args.mode].add_link_figures(merged["rows"])

@@ -185,7 +185,7 @@ def timing_options(parser: argparse.ArgumentParser) -> None:
 
 
 def node_options(parser: argparse.ArgumentParser) -> None:
-    """--nodes and --link, of the modes that split the ranks into nodes."""
+    """--nodes, --link and --congestion, of the modes that split the ranks into nodes."""
     parser.add_argument(
         "--nodes",
         type=int,
@@ -198,6 +198,12 @@ def node_options(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="comma-separated link rates in tc's notation (1gbit,10gbit), or none (unshaped): run "
         "each on --nodes network namespaces joined by a link of that rate (needs root)",
+    )
+    parser.add_argument(
+        "--congestion",
+        default="cubic",
+        help="the TCP congestion control of --link's nodes (default cubic, Linux's default; "
+        "not the host's, which may differ and changes how streams restart between calls)",
     )
 
 

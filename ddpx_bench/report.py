@@ -158,7 +158,9 @@ def format_served(row: dict | None) -> str:
 def tcp_line(rows: list[dict]) -> str:
     links = {row["link"]: row["tcp_bits_per_s"] for row in rows}
     measured = ", ".join(f"{rate} {bits / 1e9:.3f} Gbit/s" for rate, bits in links.items())
-    return f"link: network namespaces, tbf-shaped both ways; one TCP stream carried {measured}"
+    congestion = ", ".join(dict.fromkeys(row["tcp_congestion"] for row in rows))
+    return (f"link: network namespaces, tbf-shaped both ways, TCP {congestion}; one TCP stream "
+            f"carried {measured}")
 
 
 def format_ms(value: float | None) -> str:

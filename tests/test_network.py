@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -183,6 +184,25 @@ def finish(bed: testbed.Testbed, jobs, timeout: float) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Sums and training across the link
+
+
+def test_every_node_runs_the_tcp_congestion_control_it_is_given_or_none_is_made():
+    socket_says = ("import socket; print(socket.socket().getsockopt(socket.IPPROTO_TCP, "
+                   "socket.TCP_CONGESTION, 16).rstrip(b'\\0').decode())")
+
+    def ours() -> list[str]:
+        return [ns for ns in testbed._namespaces() if ns.startswith(f"ddpx-{os.getpid()}-")]
+
+    for congestion in ("cubic", "reno"):
+        with testbed.Testbed(2, rate=None, congestion=congestion) as bed:
+            for node in bed.nodes:
+                new_socket = subprocess.run(
+                    ["ip", "netns", "exec", node.namespace, sys.executable, "-c", socket_says],
+                    capture_output=True, text=True, check=True)
+                assert new_socket.stdout.strip() == congestion
+    with pytest.raises(ValueError, match=r"congestion='no-such': this kernel's TCP offers .*reno"):
+        testbed.Testbed(2, rate=None, congestion="no-such")
+    assert ours() == []
 
 
 @pytest.mark.slow  # network shaping: the multi-node README and docs lines run by default
