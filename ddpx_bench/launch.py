@@ -98,8 +98,8 @@ def on_testbed(args, argv: list[str]) -> dict:
                     testbed.Testbed(args.nodes, None if rate == "none" else rate,
                                     congestion=args.congestion) as bed:
                 tcp = bed.measure_tcp()
-                say(f"{args.nodes} nodes, link {rate}: TCP ({args.congestion}) carries "
-                    f"{tcp / 1e9:.3f} Gbit/s")
+                say(f"{args.nodes} nodes, link {rate}: TCP carries {tcp / 1e9:.3f} Gbit/s "
+                    f"({args.congestion})")
                 result_path = Path(workdir, "result.json")
                 jobs = bed.torchrun(["-m", "ddpx_bench", *argv],
                                     world_size // args.nodes,

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import select
 import shlex
 import shutil
 import statistics
@@ -568,9 +569,13 @@ def test_a_killed_bench_on_the_testbed_takes_its_torchruns_and_ranks_with_it(tmp
                              env={**os.environ, "TMPDIR": str(tmp_path)})
     prefix = f"ddpx-{bench.pid}-"
     try:
-        for line in bench.stderr:  # the testbed is up: its torchruns start
-            if "TCP carries" in line:
-                break
+        said, deadline = b"", time.monotonic() + 180
+        while b"TCP carries" not in said:  # the testbed is up: its torchruns start
+            left = max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([bench.stderr], [], [], left)
+            more = os.read(bench.stderr.fileno(), 1 << 16) if ready else b""
+            assert more, f"ddpx-bench ended, or said nothing for 180 s: {said[-2000:]!r}"
+            said += more
         deadline = time.monotonic() + 120
         while True:  # until every rank has spent 5 s of a core: importing, then training
             namespaces = [ns for ns in testbed._namespaces() if ns.startswith(prefix)]
