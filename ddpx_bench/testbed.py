@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import itertools
 import os
@@ -42,6 +43,7 @@ __all__ = ["INTERFACE_VARIABLE", "Node", "Testbed", "bits_per_second", "unavaila
 _PREFIX = "ddpx-"
 _OURS = re.compile(rf"^{_PREFIX}(\d+)-")  # the creator's pid
 _serial = itertools.count()
+_PROC_TCP = Path("/proc/sys/net/ipv4")
 # Set by Testbed.torchrun for every rank it starts: the name of its node's interface, whose
 # counters (/sys/class/net/<name>/statistics/) are the node's traffic on the link.
 INTERFACE_VARIABLE = "DDPX_TESTBED_INTERFACE"
@@ -149,18 +151,37 @@ def _shape(namespace: str, interface: str, rate: str) -> None:
          "burst", str(burst), "latency", "20ms")
 
 
-def _set_congestion(namespace: str, congestion: str) -> None:
+def _set_congestion(namespaces: list[str], congestion: str) -> None:
     # A kernel shared by every node: what one offers, all do. The algorithm sets how a stream
     # starts again after the pauses between a job's calls: on this VM, whose default is BBR,
     # an int8 all-reduce of 25 MiB at 1 Gbit/s took 66-69 ms, against 64-66 with cubic.
-    setting = "/proc/sys/net/ipv4/tcp_congestion_control"
-    done = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
-                           f'echo "$1" > {setting} && cat {setting}', "sh", congestion],
-                          capture_output=True, text=True)
-    if done.returncode != 0 or done.stdout.strip() != congestion:
-        offered = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
-        raise ValueError(f"congestion={congestion!r}: this kernel's TCP offers {', '.join(offered)}"
-                         f" ({done.stderr.strip() or done.stdout.strip()})")
+    offered = (_PROC_TCP / "tcp_available_congestion_control").read_text().split()
+    if congestion not in offered:
+        raise ValueError(
+            f"congestion={congestion!r}: this kernel's TCP offers {', '.join(offered)}")
+    # A namespace may default only to an algorithm the host allows, and a kernel built with BBR as
+    # its default allows cubic only once the host's own default has been cubic. The host's list
+    # is widened while the namespaces take their setting and then put back, under a lock that
+    # keeps testbeds made at once from putting it back under each other.
+    allowed_path = _PROC_TCP / "tcp_allowed_congestion_control"
+    with allowed_path.open() as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        allowed = allowed_path.read_text().split()
+        widen = congestion not in allowed
+        if widen:
+            allowed_path.write_text(" ".join([*allowed, congestion]))
+        try:
+            for namespace in namespaces:
+                setting = _PROC_TCP / "tcp_congestion_control"
+                done = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
+                                       f'echo "$1" > {setting} && cat {setting}', "sh",
+                                       congestion], capture_output=True, text=True)
+                if done.returncode != 0 or done.stdout.strip() != congestion:
+                    raise RuntimeError(f"{namespace}: TCP congestion control {congestion!r} not "
+                                       f"set: {done.stderr.strip() or done.stdout.strip()}")
+        finally:
+            if widen:
+                allowed_path.write_text(" ".join(allowed))
 
 
 @functools.cache
@@ -212,8 +233,8 @@ class Testbed:
                 _ip("netns", "add", ns)
                 self._namespaces.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
-                _set_congestion(ns, congestion)
                 self.nodes.append(Node(ns, "eth0", f"{subnet}.{k + 1}"))
+            _set_congestion([node.namespace for node in self.nodes], congestion)
             if nodes == 2:
                 a, b = self.nodes
                 _ip("-n", a.namespace, "link", "add", a.interface, "type", "veth", "peer", "name",
