@@ -29,7 +29,10 @@ __all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "fli
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
                 torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
-                "int8": torch.int8, torch.int8: torch.int8}
+                "int8": torch.int8, torch.int8: torch.int8,
+                "int4": torch.int4, torch.int4: torch.int4}
+# The block-scaled wires (int8 and int4 between nodes), which keep error feedback per bucket.
+QUANTIZED = (torch.int8, torch.int4)
 
 # group -> {device type -> engine}. Weak on the group: a destroyed process group must not be kept
 # alive (with its threads) by ddpx until interpreter exit.
@@ -37,22 +40,24 @@ _engines: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def wire_dtype(compression: str | torch.dtype | None) -> torch.dtype | None:
-    """The dtype gradients travel in for a ``compression`` setting (None: their own; int8:
+    """The dtype gradients travel in for a ``compression`` setting (None: their own; int8, int4:
     block-scaled between nodes, the data's own within a node)."""
     if compression not in _COMPRESSION:
         raise ValueError(
             f"ddpx: compression={compression!r} is not one of None, 'bf16' ('bfloat16', "
-            "torch.bfloat16), 'fp16' ('float16', torch.float16), 'int8' (torch.int8)"
+            "torch.bfloat16), 'fp16' ('float16', torch.float16), 'int8' (torch.int8), 'int4' "
+            "(torch.int4)"
         )
     return _COMPRESSION[compression]
 
 
 def _all_reduce_wire(compression) -> torch.dtype | None:
-    """``wire_dtype`` for ddpx.all_reduce, which has no int8: only the hook keeps the error
-    feedback that int8 needs."""
+    """``wire_dtype`` for ddpx.all_reduce, which has no int8 or int4: only the hook keeps the
+    error feedback that they need."""
     wire = None if compression is None else wire_dtype(compression)
-    if wire is torch.int8:
-        raise ValueError("ddpx.all_reduce: compression='int8' needs error feedback, which "
+    if wire in QUANTIZED:
+        name = str(wire).removeprefix("torch.")
+        raise ValueError(f"ddpx.all_reduce: compression='{name}' needs error feedback, which "
                          "ddpx.register_fused_hook keeps per gradient bucket; all-reduce with "
                          "compression='bf16' here, or none")
     return wire
@@ -151,10 +156,10 @@ def all_reduce(tensor: torch.Tensor, *, group=None, average: bool = False,
     float32, float64, bfloat16 and float16 are summed in float32 (float64 in float64), in rank
     order, so every rank gets the same bits; complex64 and complex128 as their real and imaginary
     parts. ``compression="bf16"`` or ``"fp16"`` sends float32 data in that dtype and still sums
-    in float32 ("int8" is the hook's alone: it keeps error feedback). A sparse COO tensor is
-    summed by the process group (uncompressed), as torch.distributed.all_reduce would. Traced by
-    torch.compile, the call is the operator torch.ops.ddpx.all_reduce_, in the graph, with the
-    same bits.
+    in float32 ("int8" and "int4" are the hook's alone: it keeps error feedback). A sparse COO
+    tensor is summed by the process group (uncompressed), as torch.distributed.all_reduce would.
+    Traced by torch.compile, the call is the operator torch.ops.ddpx.all_reduce_, in the graph,
+    with the same bits.
 
     Example::
         >>> t = torch.full((4,), float(dist.get_rank()))

@@ -12,7 +12,7 @@ from ddpx import settings
 from ddpx._bucket_steps import BucketSteps, checked_optimizer
 from ddpx._ext import extension
 from ddpx._groups import ddpx_backend, resolve_group
-from ddpx.engine import checked_device, checked_timeout, engine_for, wire_dtype
+from ddpx.engine import QUANTIZED, checked_device, checked_timeout, engine_for, wire_dtype
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -20,13 +20,14 @@ __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 class FusedHookState:
     """What the fused hook needs: the engine of ``process_group`` (default: the world) for
     ``device`` buckets, the 1/world_size scale that makes DDP's sum an average, and the wire dtype
-    of ``compression`` (None, "bf16" or "fp16"; "int8" with register_fused_hook, which keeps its
-    error feedback here). Made where torch.distributed is initialized, it binds to the group at
-    once, collectively; made before (as PyTorch Lightning's ``DDPStrategy(ddp_comm_state=...)``
-    does), it binds at the first bucket, which every rank reduces in the same order.
+    of ``compression`` (None, "bf16" or "fp16"; "int8" or "int4" with register_fused_hook, which
+    keeps their error feedback here). Made where torch.distributed is initialized, it binds to
+    the group at once, collectively; made before (as PyTorch Lightning's
+    ``DDPStrategy(ddp_comm_state=...)`` does), it binds at the first bucket, which every rank
+    reduces in the same order.
 
-    ``state_dict()`` and ``load_state_dict()`` carry int8's error feedback through a checkpoint:
-    each rank saves and loads its own."""
+    ``state_dict()`` and ``load_state_dict()`` carry int8's (int4's) error feedback through a
+    checkpoint: each rank saves and loads its own."""
 
     __slots__ = ("_group", "compression", "device", "timeout", "wire", "_engine", "_moves_buckets",
                  "_feedback", "_optimizer")
@@ -38,7 +39,7 @@ class FusedHookState:
         self.device, self.timeout = checked_device(device), checked_timeout(timeout)
         self._group, self._engine = process_group, None
         self._moves_buckets = False  # register_fused_hook's hook moves buckets into the arena
-        self._feedback = None  # int8's residuals, per bucket (register_fused_hook)
+        self._feedback = None  # int8's or int4's residuals, per bucket (register_fused_hook)
         self._optimizer = ""  # register_fused_hook(optimizer=...): where it steps, in words
         if process_group is not None or (dist.is_available() and dist.is_initialized()):
             resolve_group(process_group, "process_group")
@@ -59,8 +60,8 @@ class FusedHookState:
         return 1.0 / self.process_group.size()
 
     def state_dict(self) -> dict:
-        """This rank's hook state: int8's residual of every bucket (what its roundings lost and
-        the next step sends), with the bucket's layout. Call it between steps."""
+        """This rank's hook state: int8's (int4's) residual of every bucket (what its roundings
+        lost and the next step sends), with the bucket's layout. Call it between steps."""
         buckets = [] if self._feedback is None else [
             {"index": index, "parameters": layout, "residual": residual}
             for index, layout, residual in self._feedback.state()]
@@ -90,8 +91,8 @@ class FusedHookState:
         zero-copy (and if not, why); ``details=True`` adds the engine's settings."""
         engine = self.engine
         wire = str(self.wire).removeprefix("torch.") if self.wire is not None else "no compression"
-        if self.wire is torch.int8:
-            wire = "int8 between nodes with error feedback, uncompressed within a node"
+        if self.wire in QUANTIZED:
+            wire = f"{wire} between nodes with error feedback, uncompressed within a node"
         if isinstance(engine, extension().ShmEngine):
             nodes = f" and {engine.nodes} nodes" if engine.nodes > 1 else ""
             path = f"ddpx shared memory, {engine.local_ranks} ranks a node{nodes}"
@@ -136,10 +137,11 @@ def fused_allreduce_hook(
         >>> state = ddpx.FusedHookState(process_group=None)
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
-    if state.wire is torch.int8:
-        raise ValueError("ddpx: compression='int8' keeps error feedback per gradient bucket, which "
-                         "ddpx.register_fused_hook(model, compression='int8') registers; this "
-                         "Python hook takes compression None, 'bf16' or 'fp16'")
+    if state.wire in QUANTIZED:
+        name = str(state.wire).removeprefix("torch.")
+        raise ValueError(f"ddpx: compression='{name}' keeps error feedback per gradient bucket, "
+                         f"which ddpx.register_fused_hook(model, compression='{name}') registers; "
+                         "this Python hook takes compression None, 'bf16' or 'fp16'")
     future = state.engine.run_async(bucket.buffer(), state.scale, state.wire,
                                     f"gradient bucket {bucket.index()}", dense_wire_only=True)
     # DDP's Python hook wrapper reads a Python object out of the future, not a C++ tensor.
@@ -154,9 +156,9 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
     to it on the autograd thread, with no Python on that path. ``process_group`` defaults to the
     model's own; ``timeout`` (default: the group's) bounds every wait for a peer. A model takes
     one hook, once, before its first backward. ``compression``: None, "bf16" or "fp16" (the
-    dtype every bucket travels in), or "int8": block-scaled int8 between nodes, each rank keeping
-    what the rounding lost and sending it with the next step (error feedback), the buckets summed
-    uncompressed within a node.
+    dtype every bucket travels in), or "int8" / "int4": block-scaled 8- or 4-bit integers between
+    nodes (0.27 / 0.14 of float32's bytes), each rank keeping what the rounding lost and sending it
+    with the next step (error feedback), the buckets summed uncompressed within a node.
 
     ``optimizer`` (CPU buckets): across nodes, steps each bucket's parameters once that bucket is
     reduced, in the time ddpx's engine waits for the link to bring the last bucket back; backward
@@ -200,7 +202,7 @@ def register_fused_hook(ddp_model: DistributedDataParallel, *, process_group=Non
         else:
             why = "one node: no link to wait for" if ddpx_engine else "the process group's engine"
             state._optimizer = f"; the optimizer steps after backward ({why})"
-    if wire is torch.int8:
+    if wire in QUANTIZED:
         state._feedback = extension().ErrorFeedback(list(ddp_model.parameters()))
     extension().register_fused_hook(ddp_model.reducer, state.engine, state.scale, state.wire,
                                     into_arena=settings.flag("DDPX_COMM_MEMORY"),

@@ -14,9 +14,9 @@ output_dir/checkpoint.pt: os.replace is atomic, so a crash during a save leaves 
 checkpoint whole. The other ranks wait for the write; then every rank can load it with
 map_location set to its own device ("cpu" on CPU, not "cpu:N").
 
-With --comm_hook ddpx-int8 each rank also saves its hook state (what int8's roundings have not
-sent yet) as output_dir/hook_state_rank<N>.pt and loads its own back, so a resumed run goes on
-with the same bits across machines too.
+With --comm_hook ddpx-int8 (or ddpx-int4) each rank also saves its hook state (what the roundings
+have not sent yet) as output_dir/hook_state_rank<N>.pt and loads its own back, so a resumed run goes
+on with the same bits across machines too.
 
 --use_accelerate_state saves with Accelerate's save_state instead, in output_dir/accelerate_state:
 every rank calls it, and it writes model, optimizer, random states and the registered step counter
@@ -79,9 +79,9 @@ def hook_state_path(args, rank):
 
 
 def save_checkpoint(accelerator, model, optimizer, progress, hook, args):
-    """Save the run after `progress.step` steps; every rank returns once it is on disk. ddpx's
-    int8 hook keeps each rank's residuals (what its roundings have not sent yet): every rank saves
-    its own beside the checkpoint."""
+    """Save the run after `progress.step` steps; every rank returns once it is on disk. ddpx's int8
+    and int4 hooks keep each rank's residuals (what its roundings have not sent yet): every rank
+    saves its own beside the checkpoint."""
     if hook is not None and hook.state_dict()["buckets"]:
         path = hook_state_path(args, accelerator.process_index)
         os.makedirs(args.output_dir, exist_ok=True)

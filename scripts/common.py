@@ -42,7 +42,7 @@ __all__ = [
     "whole_lines",
 ]
 
-COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "ddpx-int8", "default", "fp16")
+COMM_HOOKS = ("ddpx", "ddpx-bf16", "ddpx-fp16", "ddpx-int8", "ddpx-int4", "default", "fp16")
 BACKENDS = ("auto", "ddpx")
 # How long a rank that fails without printing waits to be stopped by its launcher (seconds).
 _SILENT_FAILURE_WAIT_S = 60
@@ -123,7 +123,8 @@ def make_parser(description: str, steps: int = 100) -> argparse.ArgumentParser:
     parser.add_argument(
         "--comm_hook", choices=COMM_HOOKS, default="ddpx",
         help="who all-reduces the gradients: ddpx's fused hook (-bf16, -fp16: that wire, float32 "
-             "accumulation; -int8: int8 between nodes, with error feedback), DDP's default "
+             "accumulation; -int8, -int4: 8- or 4-bit integers between nodes, with error "
+             "feedback), DDP's default "
              "all-reduce, or torch's fp16 compression hook"
     )
     parser.add_argument("--seed", type=int, default=0)

@@ -365,13 +365,24 @@ void check_copy(const Kernels& k) {
   }
 }
 
-// Block-scaled int8 (quantize.h) against the rounding written plainly: per block of 64, the
-// scale is the largest magnitude / 127, each value becomes nearbyint(v * (127 / largest)), and
-// what that lost is kept; a block with a NaN or an infinity travels as NaN, its residual zeroed.
-// Then the dequantized sum of two such buffers, in order. Case 3 rounds without error feedback
-// (a null residual, as if zero).
-void check_quantize(const Kernels& k) {
-  Tally& t = check(std::string(k.isa) + " int8 quantize, dequantize-sum");
+// Value i of a block-scaled wire, read plainly: a signed byte (int8), or a signed half byte, the
+// low half first (int4).
+float wire_value(const std::vector<unsigned char>& wire, const ddpx::BlockLayout& layout,
+                 int64_t i) {
+  if (layout.bits == 8) return float(static_cast<int8_t>(wire[layout.values_offset() + size_t(i)]));
+  const int half = (wire[layout.values_offset() + size_t(i / 2)] >> (4 * (i % 2))) & 0xF;
+  return float(half >= 8 ? half - 16 : half);
+}
+
+// Block-scaled int8 and int4 (quantize.h) against the rounding written plainly: per block of 64,
+// the scale is the largest magnitude / levels (127, 7), each value becomes
+// nearbyint(v * (levels / largest)), and what that lost is kept; a block with a NaN or an infinity
+// travels as NaN, its residual zeroed. Then the dequantized sum of two such buffers, in order.
+// Case 3 rounds without error feedback (a null residual, as if zero).
+void check_quantize(const Kernels& k, int bits) {
+  Tally& t =
+      check(std::string(k.isa) + " int" + std::to_string(bits) + " quantize, dequantize-sum");
+  const float levels = bits == 8 ? 127.0f : 7.0f;
   std::mt19937_64 rng(5);
   std::normal_distribution<float> normal;
   for (int64_t n : {0, 1, 63, 64, 65, 255, 256, 257, 1000, 4097}) {
@@ -384,16 +395,17 @@ void check_quantize(const Kernels& k) {
       }
       if (n > 300 && special == 1) x[300] = std::numeric_limits<float>::quiet_NaN();
       if (n > 300 && special == 2) x[3] = std::numeric_limits<float>::infinity();
-      // A block of residuals only (a dead unit's), and one so small that 127 / largest overflows.
+      // A block of residuals only (a dead unit's), and one so small that levels / largest
+      // overflows.
       if (special == 2 && n > 600) std::fill(x.begin() + 512, x.begin() + 768, 0.0f);
       if (special == 1 && n > 600) {
         for (int64_t i = 512; i < 768; ++i) x[size_t(i)] = residual[size_t(i)] = 1e-39f;
       }
-      const ddpx::Int8Layout layout(n);
+      const ddpx::BlockLayout layout(n, bits);
       std::vector<float> want_values(count);
       std::vector<float> want_scales(static_cast<size_t>(layout.blocks));
       for (int64_t b = 0; b < layout.blocks; ++b) {
-        const int64_t lo = b * ddpx::kInt8Block, hi = std::min(n, lo + ddpx::kInt8Block);
+        const int64_t lo = b * ddpx::kBlock, hi = std::min(n, lo + ddpx::kBlock);
         float largest = 0.0f;
         bool finite = true;
         for (int64_t i = lo; i < hi; ++i) {
@@ -402,12 +414,12 @@ void check_quantize(const Kernels& k) {
           largest = std::max(largest, std::fabs(v));
         }
         const bool tiny = largest < 0x1p-100f;  // travels as zeros, kept whole
-        const float scale = tiny ? 0.0f : largest / 127.0f;
+        const float scale = tiny ? 0.0f : largest / levels;
         want_scales[size_t(b)] = finite ? scale : NAN;
-        const float inverse = tiny ? 0.0f : 127.0f / largest;
+        const float inverse = tiny ? 0.0f : levels / largest;
         for (int64_t i = lo; i < hi; ++i) {
           const float v = x[size_t(i)] + residual[size_t(i)];
-          // + 0: an int8 holds no negative zero.
+          // + 0: an integer holds no negative zero.
           const float q = finite ? std::nearbyint(v * inverse) + 0.0f : 0.0f;
           want_values[size_t(i)] = q;
           want_residual[size_t(i)] = finite ? v - q * scale : 0.0f;
@@ -419,13 +431,13 @@ void check_quantize(const Kernels& k) {
       std::vector<unsigned char> pieced(layout.bytes() + 1, 0xAB);
       std::vector<float> pieced_residual = residual;
       for (int64_t b = 0; b < layout.blocks; b += 3) {
-        const int64_t at = b * ddpx::kInt8Block;
-        k.quantize_int8(pieced.data(), layout, x.data() + at,
-                        special == 3 ? nullptr : pieced_residual.data() + at, n, b,
-                        std::min(layout.blocks, b + 3));
+        const int64_t at = b * ddpx::kBlock;
+        k.quantize_blocks(pieced.data(), layout, x.data() + at,
+                          special == 3 ? nullptr : pieced_residual.data() + at, n, b,
+                          std::min(layout.blocks, b + 3));
       }
-      k.quantize_int8(wire.data(), layout, x.data(), special == 3 ? nullptr : residual.data(), n, 0,
-                      layout.blocks);
+      k.quantize_blocks(wire.data(), layout, x.data(), special == 3 ? nullptr : residual.data(), n,
+                        0, layout.blocks);
       bool ok = wire.back() == 0xAB && pieced == wire &&
                 std::memcmp(pieced_residual.data(), residual.data(), count * sizeof(float)) == 0;
       for (int64_t b = 0; b < layout.blocks; ++b) {
@@ -435,26 +447,27 @@ void check_quantize(const Kernels& k) {
         ok = ok && (std::isnan(want) ? std::isnan(scale) : scale == want);
       }
       for (int64_t i = 0; i < n; ++i) {
-        const auto q = static_cast<int8_t>(wire[layout.values_offset() + size_t(i)]);
-        ok = ok && float(q) == want_values[size_t(i)] &&
+        ok = ok && wire_value(wire, layout, i) == want_values[size_t(i)] &&
              (special == 3 || bit_cast<uint32_t>(residual[size_t(i)]) ==
                                   bit_cast<uint32_t>(want_residual[size_t(i)]));
       }
+      // int4's odd last value shares its byte with a zero.
+      if (bits == 4 && n % 2 == 1) ok = ok && wire_value(wire, layout, n) == 0.0f;
       // Three buffers (this one, and two more rounded by the kernel just checked), summed in
       // order: floats do not add associatively, so a kernel that sums in another order differs.
       std::vector<std::vector<unsigned char>> wires(3, wire);
       for (int w = 1; w < 3; ++w) {
         std::vector<float> other(count);
         for (int64_t i = 0; i < n; ++i) other[size_t(i)] = normal(rng) * float(1 << (8 * w));
-        k.quantize_int8(wires[size_t(w)].data(), layout, other.data(), nullptr, n, 0,
-                        layout.blocks);
+        k.quantize_blocks(wires[size_t(w)].data(), layout, other.data(), nullptr, n, 0,
+                          layout.blocks);
       }
       std::vector<float> sum(count), pieced_sum(count);
       const void* three[3] = {wires[0].data(), wires[1].data(), wires[2].data()};
-      k.dequantize_sum_int8(sum.data(), three, 3, layout, n, 0, layout.blocks);
+      k.dequantize_sum_blocks(sum.data(), three, 3, layout, n, 0, layout.blocks);
       for (int64_t b = 0; b < layout.blocks; b += 3) {
-        k.dequantize_sum_int8(pieced_sum.data() + b * ddpx::kInt8Block, three, 3, layout, n, b,
-                              std::min(layout.blocks, b + 3));
+        k.dequantize_sum_blocks(pieced_sum.data() + b * ddpx::kBlock, three, 3, layout, n, b,
+                                std::min(layout.blocks, b + 3));
       }
       ok = ok && std::memcmp(pieced_sum.data(), sum.data(), count * sizeof(float)) == 0;
       for (int64_t i = 0; i < n; ++i) {
@@ -462,9 +475,8 @@ void check_quantize(const Kernels& k) {
         for (int w = 0; w < 3; ++w) {
           const unsigned char* from = wires[size_t(w)].data();
           float scale;
-          std::memcpy(&scale, from + 4 * (i / ddpx::kInt8Block), 4);
-          const float one =
-              float(static_cast<int8_t>(from[layout.values_offset() + size_t(i)])) * scale;
+          std::memcpy(&scale, from + 4 * (i / ddpx::kBlock), 4);
+          const float one = wire_value(wires[size_t(w)], layout, i) * scale;
           want = w == 0 ? one : want + one;
         }
         ok = ok &&
@@ -499,7 +511,8 @@ int main() {
   const bool widest = !impls.empty() && std::strcmp(ddpx::kernels().isa, impls.back()->isa) == 0;
   record(api, widest, "kernels() is not the widest implementation available");
   for (const Kernels* k : impls) {
-    check_quantize(*k);
+    check_quantize(*k, 8);
+    check_quantize(*k, 4);
     check_casts(*k);
     check_convert(*k);
     check_reduce(*k);

@@ -428,6 +428,7 @@ def test_narrow_wide_timed_and_shared_steps_give_the_same_bits_and_agree(world):
                                          (torch.bfloat16, torch.bfloat16), ("fp16", torch.float16),
                                          ("float16", torch.float16), (torch.float16, torch.float16),
                                          ("int8", torch.int8), (torch.int8, torch.int8),
+                                         ("int4", torch.int4), (torch.int4, torch.int4),
                                          (None, None)])
 def test_compression_takes_torchs_names_and_dtypes_too(name, dtype):
     from ddpx.engine import wire_dtype
@@ -435,11 +436,11 @@ def test_compression_takes_torchs_names_and_dtypes_too(name, dtype):
     assert wire_dtype(name) is dtype
 
 
-@pytest.mark.parametrize("name", ["int4", torch.float32, "bf-16"])
+@pytest.mark.parametrize("name", ["int2", torch.float32, "bf-16"])
 def test_an_unknown_compression_names_the_ones_there_are(name):
     from ddpx.engine import wire_dtype
 
-    with pytest.raises(ValueError, match=r"is not one of None, 'bf16' \('bfloat16'.*'int8'"):
+    with pytest.raises(ValueError, match=r"is not one of None, 'bf16' .*'int8'.*'int4'"):
         wire_dtype(name)
 
 

@@ -285,7 +285,7 @@ def registration_errors(rank, world):
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         ddpx.register_fused_hook(Net())
     with pytest.raises(ValueError, match="compression"):
-        ddpx.register_fused_hook(DDP(Net().body), compression="int4")
+        ddpx.register_fused_hook(DDP(Net().body), compression="int2")
     model = DDP(Net().body)
     state = ddpx.register_fused_hook(model)
     assert state.engine.local_ranks == 2

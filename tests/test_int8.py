@@ -1,9 +1,9 @@
-"""compression="int8": block-scaled int8 between nodes, uncompressed within one, with error
-feedback. Two nodes of two ranks on this machine (run_nodes) hold the sums to a float32
-reference of the same rounding, bit for bit; the error feedback to its promise (what the
+"""compression="int8" and "int4": block-scaled integers between nodes, uncompressed within one,
+with error feedback. Two nodes of two ranks on this machine (run_nodes) hold the sums to a
+float32 reference of the same rounding, bit for bit; the error feedback to its promise (what the
 roundings lose is sent later, so the sum over many steps stays one rounding from the exact sum);
-a resumed run to an uninterrupted one's bits; and the bytes across to a quarter of float32's.
-Three nodes (the second rounding, kept by the piece's owner) run under -m slow."""
+a resumed run to an uninterrupted one's bits; and the bytes across to a quarter (an eighth) of
+float32's. Three nodes (the second rounding, kept by the piece's owner) run under -m slow."""
 
 import inspect
 import json
@@ -18,21 +18,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import left_in_shm, run_nodes, run_ranks, shm_segments
 
-BLOCK = 64  # kInt8Block, csrc/kernels/quantize.h
-SMALLEST = 2.0**-100  # kInt8Smallest: a block below it travels as zeros
+BLOCK = 64  # kBlock, csrc/kernels/quantize.h
+SMALLEST = 2.0**-100  # kBlockSmallest: a block below it travels as zeros
+LEVELS = {"int8": 127, "int4": 7}  # each way from zero
+VALUE_BYTES = {"int8": 1, "int4": 0.5}
 
 
-def dequantized(v: torch.Tensor) -> torch.Tensor:
-    """The engine's rounding of float32 v to block-scaled int8, dequantized, in plain torch: the
-    same float32 operations (a division, a multiply, a round to nearest even, a multiply), so
-    the same bits."""
+def dequantized(v: torch.Tensor, levels: int) -> torch.Tensor:
+    """The engine's rounding of float32 v to block-scaled integers of ``levels`` each way,
+    dequantized, in plain torch: the same float32 operations (a division, a multiply, a round to
+    nearest even, a multiply), so the same bits."""
     out = torch.empty_like(v)
     zero = torch.zeros((), dtype=torch.float32)
     for lo in range(0, v.numel(), BLOCK):
         block = v[lo:lo + BLOCK]
         largest = block.abs().max()
         tiny = largest < SMALLEST
-        inverse, scale = (zero, zero) if tiny else (127 / largest, largest / 127)
+        inverse, scale = (zero, zero) if tiny else (levels / largest, largest / levels)
         out[lo:lo + BLOCK] = torch.round(block * inverse) * scale
     return out
 
@@ -41,7 +43,7 @@ def rank_data(rank: int, n: int) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(1000 + rank)) * (rank + 1)
 
 
-def reference_sum(n: int, world: int = 4, local: int = 2) -> torch.Tensor:
+def reference_sum(n: int, levels: int, world: int = 4, local: int = 2) -> torch.Tensor:
     """Two nodes of `local` ranks, a tensor of one block of the node (n <= the block): each local
     rank's slice of its node's float32 sum (whole 64-byte lines) rounds on its own, and the two
     nodes' dequantized slices add in node order."""
@@ -51,27 +53,26 @@ def reference_sum(n: int, world: int = 4, local: int = 2) -> torch.Tensor:
     total = torch.empty(n)
     for me in range(local):
         lo, hi = min(n, me * size), min(n, (me + 1) * size)
-        total[lo:hi] = dequantized(node_sums[0][lo:hi]) + dequantized(node_sums[1][lo:hi])
+        total[lo:hi] = (dequantized(node_sums[0][lo:hi], levels)
+                        + dequantized(node_sums[1][lo:hi], levels))
     return total
 
 
-def int8_job(tmp):
-    """Each rank's results: int8 sums (through the engine, no feedback), the bytes they put
-    across, and a DDP run whose gradients are the same every step."""
+def quantized_job(tmp):
+    """Each rank's results for int8 and int4: sums (through the engine, no feedback), the bytes
+    they put across, and a DDP run whose gradients are the same every step."""
     import ddpx
     from ddpx.engine import engine_for
 
     rank = dist.get_rank()
     engine = engine_for()
     out = {"nodes": engine.nodes}
-    for n in (3000, 257, 1):
-        t = rank_data(rank, n)
-        engine.run(t, 1.0, torch.int8, "int8 sum")
-        out[f"sum-{n}"] = t.tolist()
-    for wire in (None, torch.int8):
+    wires = {"int8": torch.int8, "int4": torch.int4}
+    for name, wire in [("float32", None), *wires.items()]:
         before = engine.cross_node_bytes
         engine.run(torch.ones(1_000_000), 1.0, wire, "bytes")
-        out[f"bytes-{wire}"] = engine.cross_node_bytes - before
+        out[f"bytes-{name}"] = engine.cross_node_bytes - before
+    out["left_by_all_reduce"] = engine.cross_node_times["calls_left_in_flight"]
 
     def model():
         torch.manual_seed(0)
@@ -91,55 +92,62 @@ def int8_job(tmp):
         return seen
 
     exact = gradients(model(), 1)[0]
-    hooked = model()
-    state = ddpx.register_fused_hook(hooked, compression="int8")
-    left_before = state.engine.cross_node_times["calls_left_in_flight"]
-    steps = gradients(hooked, 40)
-    out["left_in_flight"] = state.engine.cross_node_times["calls_left_in_flight"] - left_before
-    out["left_by_all_reduce"] = left_before
-    # A gradient that stops (a unit that dies): its residual alone is rounded again and again,
-    # 254x smaller each step, until it is too small for a scale; it must stay finite.
-    torch.manual_seed(1)
-    dying = DDP(torch.nn.Linear(64, 64), bucket_cap_mb=0.02)
-    ddpx.register_fused_hook(dying, compression="int8")
-    finite = []
-    for step in range(40):
-        dying.zero_grad()
-        (dying(x).square().mean() * (1.0 if step == 0 else 0.0)).backward()
-        finite.append(all(bool(p.grad.isfinite().all()) for p in dying.parameters()))
-    out["dying_finite"] = all(finite)
-    out["buckets"] = len(state.state_dict()["buckets"])
-    # Gradient accumulation: under no_sync the hook is not called and the residuals wait.
-    before = [b["residual"].clone() for b in state.state_dict()["buckets"]]
-    with hooked.no_sync():
-        hooked(x).square().mean().backward()
-    after = [b["residual"] for b in state.state_dict()["buckets"]]
-    out["no_sync_kept"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    out["residual_nonzero"] = any(bool(b.abs().max() > 0) for b in after)
     out["exact"] = exact.tolist()
-    out["first"] = steps[0].tolist()
-    out["summed"] = torch.stack(steps).sum(0).tolist()
-    out["digest"] = [float(s.double().sum()) for s in steps]
+    for name, wire in wires.items():
+        mine = out[name] = {}
+        for n in (3000, 257, 1):
+            t = rank_data(rank, n)
+            engine.run(t, 1.0, wire, f"{name} sum")
+            mine[f"sum-{n}"] = t.tolist()
+        hooked = model()
+        state = ddpx.register_fused_hook(hooked, compression=name)
+        left_before = state.engine.cross_node_times["calls_left_in_flight"]
+        steps = gradients(hooked, 40)
+        mine["left_in_flight"] = state.engine.cross_node_times["calls_left_in_flight"] - left_before
+        # A gradient that stops (a unit that dies): its residual alone is rounded again and
+        # again, 254x (int4: 14x) smaller each step, until it is too small for a scale; it must
+        # stay finite.
+        torch.manual_seed(1)
+        dying = DDP(torch.nn.Linear(64, 64), bucket_cap_mb=0.02)
+        ddpx.register_fused_hook(dying, compression=name)
+        finite = []
+        for step in range(40):
+            dying.zero_grad()
+            (dying(x).square().mean() * (1.0 if step == 0 else 0.0)).backward()
+            finite.append(all(bool(p.grad.isfinite().all()) for p in dying.parameters()))
+        mine["dying_finite"] = all(finite)
+        mine["buckets"] = len(state.state_dict()["buckets"])
+        # Gradient accumulation: under no_sync the hook is not called and the residuals wait.
+        before = [b["residual"].clone() for b in state.state_dict()["buckets"]]
+        with hooked.no_sync():
+            hooked(x).square().mean().backward()
+        after = [b["residual"] for b in state.state_dict()["buckets"]]
+        mine["no_sync_kept"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        mine["residual_nonzero"] = any(bool(b.abs().max() > 0) for b in after)
+        mine["first"] = steps[0].tolist()
+        mine["summed"] = torch.stack(steps).sum(0).tolist()
+        mine["digest"] = [float(s.double().sum()) for s in steps]
     return out
 
 
 def resume_job(tmp):
     """Trains 6 steps straight, and 3 + 3 with a checkpoint between (model, optimizer, the
     hook's state, each rank its own file), the second half a new DDP model as a resumed job
-    makes one; and 6 straight with the optimizer stepping each bucket in flight."""
+    makes one, in int8 and in int4; and 6 straight with the optimizer stepping each bucket in
+    flight."""
     import ddpx
 
     rank = dist.get_rank()
     data = [torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * rank + s))
             for s in range(6)]
 
-    def start(in_flight=False):
+    def start(compression="int8", in_flight=False):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(),
                                   torch.nn.Linear(128, 64))
         ddp = DDP(net, bucket_cap_mb=0.02)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        state = ddpx.register_fused_hook(ddp, compression="int8",
+        state = ddpx.register_fused_hook(ddp, compression=compression,
                                          optimizer=optimizer if in_flight else None)
         return ddp, state, optimizer
 
@@ -149,29 +157,37 @@ def resume_job(tmp):
             ddp(data[s]).square().mean().backward()
             optimizer.step()
 
+    def stopped_and_resumed(compression):
+        first, state, optimizer = start(compression)
+        train(first, optimizer, range(3))
+        path = Path(tmp) / f"hook_{compression}_rank{rank}.pt"
+        torch.save({"model": first.module.state_dict(), "optimizer": optimizer.state_dict(),
+                    "hook": state.state_dict()}, path)
+        dist.barrier()
+        resumed, state, optimizer = start(compression)
+        saved = torch.load(path, map_location="cpu")
+        resumed.module.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state.load_state_dict(saved["hook"])
+        train(resumed, optimizer, range(3, 6))
+        return resumed, state, saved
+
     straight, _, optimizer = start()
     train(straight, optimizer, range(6))
     in_flight, _, optimizer = start(in_flight=True)
     train(in_flight, optimizer, range(6))
-    first, state, optimizer = start()
-    train(first, optimizer, range(3))
-    path = Path(tmp) / f"hook_rank{rank}.pt"
-    torch.save({"model": first.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "hook": state.state_dict()}, path)
-    dist.barrier()
-    resumed, state, optimizer = start()
-    saved = torch.load(path, map_location="cpu")
-    resumed.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    state.load_state_dict(saved["hook"])
-    train(resumed, optimizer, range(3, 6))
+    straight_int4, _, optimizer = start("int4")
+    train(straight_int4, optimizer, range(6))
+    resumed_int4, _, _ = stopped_and_resumed("int4")
+    resumed, state, saved = stopped_and_resumed("int8")
     fresh, _, optimizer = start()  # the same resume without the hook's state
     fresh.module.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     train(fresh, optimizer, range(3, 6))
     flat = {name: torch.cat([p.detach().flatten() for p in m.parameters()]).tolist()
             for name, m in (("straight", straight), ("resumed", resumed), ("fresh", fresh),
-                            ("in flight", in_flight))}
+                            ("in flight", in_flight), ("int4 straight", straight_int4),
+                            ("int4 resumed", resumed_int4))}
     try:
         state.load_state_dict({**saved["hook"], "rank": (rank + 1) % 4})
         flat["wrong rank"] = "no error"
@@ -203,48 +219,60 @@ def job_source(*jobs) -> str:
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    """int8_job and resume_job, one launch of two nodes: each rank's results by job, and
+    """quantized_job and resume_job, one launch of two nodes: each rank's results by job, and
     ddpx's /dev/shm segments the launch left behind."""
     before = shm_segments()
-    results = run_nodes(job_source(int8_job, resume_job), tmp_path_factory.mktemp("two_nodes"))
+    results = run_nodes(job_source(quantized_job, resume_job),
+                        tmp_path_factory.mktemp("two_nodes"))
     return results, left_in_shm(before)
 
 
-def test_int8_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(two_nodes):
+def assert_feeds_back_its_error(results: list[dict], name: str) -> None:
+    """Every rank the same bits; and the same gradient 40 times: without feedback the roundings
+    would repeat and add up to 40 times one step's error; with it, what a step loses the next one
+    sends, and the sum over every step stays within the last residual (one rounding per node) of
+    40 exact gradients."""
+    mine = [r[name] for r in results]
+    for rank, result in enumerate(mine):
+        assert result["digest"] == mine[0]["digest"], f"{name}: rank {rank} holds other bits"
+    exact = torch.tensor(results[0]["exact"])
+    one_step = (torch.tensor(mine[0]["first"]) - exact).abs().max()
+    assert one_step > 0, name  # the rounding rounded something
+    drift = (torch.tensor(mine[0]["summed"]) - 40 * exact).abs().max()
+    assert drift <= 2 * one_step, (name, drift, one_step)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantized_across_two_nodes_is_the_reference_rounding_and_feeds_back_its_error(
+        two_nodes, name):
     runs, left = two_nodes
-    results = [run["int8_job"] for run in runs]
+    results = [run["quantized_job"] for run in runs]
     assert all(r["nodes"] == 2 for r in results)
     for n in (3000, 257, 1):
-        expected = reference_sum(n)
+        expected = reference_sum(n, LEVELS[name])
         for rank, result in enumerate(results):
-            assert torch.equal(torch.tensor(result[f"sum-{n}"]), expected), (n, rank)
-    # A quarter of float32's bytes, and a float32 scale per 64 values.
+            assert torch.equal(torch.tensor(result[name][f"sum-{n}"]), expected), (n, rank)
+    # A quarter (an eighth) of float32's bytes, and a float32 scale per 64 values.
     for node in (results[:2], results[2:]):
-        fp32 = sum(r["bytes-None"] for r in node)
-        int8 = sum(r["bytes-torch.int8"] for r in node)
+        fp32 = sum(r["bytes-float32"] for r in node)
+        sent = sum(r[f"bytes-{name}"] for r in node)
         assert fp32 == 4_000_000
-        assert 1_000_000 < int8 <= 1_000_000 * (1 + 4 / BLOCK) + 64, int8
-    for rank, result in enumerate(results):
-        assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
+        values = 1_000_000 * VALUE_BYTES[name]
+        assert values < sent <= values + 1_000_000 * 4 / BLOCK + 64, sent
+    for result in results:
         # Every bucket but a backward's last returns with its chunks still crossing (the next
         # one follows them onto the link); a plain all-reduce returns with its sum. DDP's first
         # step has one bucket, of every parameter: the 39 after have the saved buckets.
-        assert result["no_sync_kept"] and result["residual_nonzero"], result
-        assert result["dying_finite"], "a stopped gradient's residual turned into NaN"
+        mine = result[name]
+        assert mine["no_sync_kept"] and mine["residual_nonzero"], mine
+        assert mine["dying_finite"], "a stopped gradient's residual turned into NaN"
         assert result["left_by_all_reduce"] == 0
-        assert result["left_in_flight"] == 39 * (result["buckets"] - 1) > 0, result
-    exact = torch.tensor(results[0]["exact"])
-    one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
-    assert one_step > 0  # int8 rounded something
-    # The same gradient 40 times: without feedback the roundings would repeat and add up to 40
-    # times one step's error; with it, what a step loses the next one sends, and the sum over
-    # every step stays within the last residual (one rounding per node) of 40 exact gradients.
-    drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
-    assert drift <= 2 * one_step, (drift, one_step)
+        assert mine["left_in_flight"] == 39 * (mine["buckets"] - 1) > 0, mine
+    assert_feeds_back_its_error(results, name)
     assert not left, left
 
 
-def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(two_nodes):
+def test_int8_and_int4_resume_with_the_same_bits_as_a_run_that_never_stopped(two_nodes):
     results = [run["resume_job"] for run in two_nodes[0]]
     for rank, result in enumerate(results):
         assert result["buckets"] >= 2
@@ -255,62 +283,68 @@ def test_int8_resumes_with_the_same_bits_as_a_run_that_never_stopped(two_nodes):
         assert result["fresh"] != result["straight"]
         assert "load the file this rank saved" in result["wrong rank"], result["wrong rank"]
         assert result["straight"] == results[0]["straight"]
+        assert result["int4 resumed"] == result["int4 straight"], f"rank {rank}: int4 differs"
+        assert result["int4 straight"] != result["straight"]  # int4 rounded otherwise
 
 
-def one_node_int8(rank, world):
-    """On one node int8 sends nothing across: the buckets sum as uncompressed float32, the same
-    bits as the hook without compression."""
+def one_node_quantized(rank, world):
+    """On one node int8 and int4 send nothing across: the buckets sum as uncompressed float32,
+    the same bits as the hook without compression."""
     import ddpx
 
     from distributed import train_small_ddp
 
     plain, _ = train_small_ddp(rank, lambda m: ddpx.register_fused_hook(m))
-    int8, state = train_small_ddp(
-        rank, lambda m: ddpx.register_fused_hook(m, compression="int8"))
-    errors = {}
-    try:
-        ddpx.all_reduce(torch.ones(4), compression="int8")
-    except ValueError as error:
-        errors["all_reduce"] = str(error)
-    hook_state = ddpx.FusedHookState(compression="int8")
-    model = DDP(torch.nn.Linear(4, 4))
-    model.register_comm_hook(hook_state, ddpx.fused_allreduce_hook)
-    try:
-        model(torch.ones(2, 4)).sum().backward()
-    except Exception as error:  # DDP rethrows the hook's error as a RuntimeError
-        errors["python hook"] = str(error)
-    return plain == int8, state.describe(), errors, json.dumps(state.state_dict()["compression"],
-                                                                default=str)
+    out = {}
+    for name in ("int8", "int4"):
+        params, state = train_small_ddp(
+            rank, lambda m, name=name: ddpx.register_fused_hook(m, compression=name))
+        errors = {}
+        try:
+            ddpx.all_reduce(torch.ones(4), compression=name)
+        except ValueError as error:
+            errors["all_reduce"] = str(error)
+        hook_state = ddpx.FusedHookState(compression=name)
+        model = DDP(torch.nn.Linear(4, 4))
+        model.register_comm_hook(hook_state, ddpx.fused_allreduce_hook)
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+        except Exception as error:  # DDP rethrows the hook's error as a RuntimeError
+            errors["python hook"] = str(error)
+        out[name] = (plain == params, state.describe(), errors,
+                     json.dumps(state.state_dict()["compression"], default=str))
+    return out
 
 
-def test_int8_within_one_node_is_float32_and_refused_where_no_feedback_is_kept():
-    for same, describe, errors, compression in run_ranks(one_node_int8, 2):
-        assert same
-        assert "int8 between nodes" in describe
-        assert "register_fused_hook keeps" in errors["all_reduce"]
-        assert "compression='int8' keeps error feedback" in errors["python hook"]
-        assert compression == '"torch.int8"'
-
+def test_quantized_within_one_node_is_float32_and_refused_where_no_feedback_is_kept():
+    for result in run_ranks(one_node_quantized, 2):
+        for name in ("int8", "int4"):
+            same, describe, errors, compression = result[name]
+            assert same, name
+            assert f"{name} between nodes" in describe
+            assert f"compression='{name}' needs error feedback" in errors["all_reduce"]
+            assert "register_fused_hook keeps" in errors["all_reduce"]
+            assert f"compression='{name}' keeps error feedback" in errors["python hook"]
+            assert compression == f'"torch.{name}"'
 
 
 @pytest.mark.slow
-def test_int8_across_three_nodes_keeps_every_rank_on_the_same_bits(tmp_path):
+def test_int8_and_int4_across_three_nodes_keep_every_rank_on_the_same_bits(tmp_path):
     """Among three nodes each piece of the sum is rounded twice, the second time by its owner,
-    who keeps that residual: the same bits everywhere, a quarter of the bytes, and no drift."""
-    results = [run["int8_job"] for run in run_nodes(job_source(int8_job), tmp_path, nodes=3)]
+    who keeps that residual: the same bits everywhere, a quarter (an eighth) of the bytes, and no
+    drift."""
+    results = [run["quantized_job"]
+               for run in run_nodes(job_source(quantized_job), tmp_path, nodes=3)]
     assert all(r["nodes"] == 3 for r in results)
-    for rank, result in enumerate(results):
-        assert result["digest"] == results[0]["digest"], f"rank {rank} holds other bits"
-        for n in (3000, 257, 1):
-            assert result[f"sum-{n}"] == results[0][f"sum-{n}"], (n, rank)
-    for node in range(3):
-        fp32 = sum(r["bytes-None"] for r in results[2 * node:2 * node + 2])
-        int8 = sum(r["bytes-torch.int8"] for r in results[2 * node:2 * node + 2])
-        assert int8 <= fp32 * (1 + 4 / BLOCK) / 4 + 256, (int8, fp32)
-    exact = torch.tensor(results[0]["exact"])
-    one_step = (torch.tensor(results[0]["first"]) - exact).abs().max()
-    drift = (torch.tensor(results[0]["summed"]) - 40 * exact).abs().max()
-    assert drift <= 2 * one_step, (drift, one_step)
+    for name in ("int8", "int4"):
+        for rank, result in enumerate(results):
+            for n in (3000, 257, 1):
+                assert result[name][f"sum-{n}"] == results[0][name][f"sum-{n}"], (name, n, rank)
+        for node in range(3):
+            fp32 = sum(r["bytes-float32"] for r in results[2 * node:2 * node + 2])
+            sent = sum(r[f"bytes-{name}"] for r in results[2 * node:2 * node + 2])
+            assert sent <= fp32 * (VALUE_BYTES[name] + 4 / BLOCK) / 4 + 256, (name, sent, fp32)
+        assert_feeds_back_its_error(results, name)
 
 
 def two_host_run(tmp_path: Path, output: Path, *flags: str) -> list[str]:

@@ -62,7 +62,7 @@ struct AllreduceCall {
   bool own_slice_direct;  // see allreduce
   Write out_write;
   const std::string& what;
-  const Int8Across* int8;  // compression="int8", or null
+  const BlocksAcross* quantized;  // compression="int8" or "int4", or null
   // Across nodes, where the call went Direct: every rank's tensor, read and written where it
   // lies; null where the blocks go through the slots.
   const PeerData* peers = nullptr;
@@ -251,15 +251,17 @@ void for_slices(const Blocks& x, int64_t full_slice, int64_t first, int64_t lo, 
 // Handing out a chunk that crossed nodes: wait for it, then put its sums, as they come, into
 // each block's output slot and copy every block out; or, where the call went Direct, write them
 // into every rank's tensor where it lies, and at the call's last chunk wait until every rank has
-// written its slices. int8 chunks come back a tile at a time, dequantized as they are put; the
-// others are summed in place in the node sums. Kept by value, as its call may have returned since.
+// written its slices. Block-scaled chunks come back a tile at a time, dequantized as they are put;
+// the others are summed in place in the node sums. Kept by value, as its call may have returned
+// since.
 InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> sums,
                   int64_t full_slice, int64_t first, int64_t end, int64_t elements) {
   std::optional<PeerData> peers;
   if (call.peers) peers = *call.peers;
   auto task = [&comm = call.comm, x = call.blocks, meta = call.meta, rule = call.rule,
                wide = call.wide, out_write = call.out_write, what = call.what,
-               int8 = call.int8 != nullptr, peers, sums, full_slice, first, end, elements] {
+               quantized = call.quantized != nullptr, peers, sums, full_slice, first, end,
+               elements] {
     const Kernels& k = kernels();
     const AllreduceCall done{comm, x, meta, rule, wide, false, out_write, what, nullptr};
     int64_t open = first - 1;  // through the slots: the block whose step is open
@@ -296,9 +298,9 @@ InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> 
         comm.across("all-reduce", what, [&] { link.await_oldest(); });
         comm.add_across_times(0, seconds_since(waits), false, idle);
       }
-      if (int8) {
+      if (quantized) {
         comm.across("all-reduce", what, [&] {
-          link.finish_reduce_int8([&](int64_t lo, const float* part, int64_t n) {
+          link.finish_reduce_blocks([&](int64_t lo, const float* part, int64_t n) {
             put(lo, reinterpret_cast<const char*>(part), n);
           });
         });
@@ -318,8 +320,8 @@ InFlight hand_out(const AllreduceCall& call, std::shared_ptr<std::vector<char>> 
 
 // Where the chunks of n blocks start, and n: chunks of `size` blocks, but for the first two and
 // the last two, a quarter and a half of that, so that the link starts carrying sooner and the
-// call's last hand-out waits for less. A function of n and size alone: int8's blocks of 64 values
-// start at each chunk's first value, so its bits depend on where the chunks start.
+// call's last hand-out waits for less. A function of n and size alone: int8's and int4's blocks of
+// 64 values start at each chunk's first value, so its bits depend on where the chunks start.
 std::vector<int64_t> chunk_starts(int64_t n, int64_t size) {
   const int64_t quarter = std::max<int64_t>(1, size / 4), half = std::max<int64_t>(1, size / 2);
   std::vector<int64_t> starts{0};
@@ -357,8 +359,8 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
     return hi - lo;
   }();
   const int64_t total = slice_offset(x, full_slice, x.n);
-  // int8: the residual of the node sums' rounding, then (more than two nodes) of the pieces'.
-  const std::shared_ptr<Residual> residual = call.int8 ? call.int8->residual : nullptr;
+  // int8, int4: the residual of the node sums' rounding, then (more than two nodes) of the pieces'.
+  const std::shared_ptr<Residual> residual = call.quantized ? call.quantized->residual : nullptr;
   float* residuals = residual ? residual->sized(link.nodes() > 2 ? 2 * total : total) : nullptr;
   auto residual_at = [&](int64_t b, int64_t part) -> std::shared_ptr<float> {
     if (!residuals) return nullptr;
@@ -378,10 +380,10 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
   // it carries the first block where the blocks go through the slots.
   const Opening opening = open_allreduce(call, OpenRule{-1, false, call.wide});
   if (opening.method == CopyMethod::Direct) call.peers = &opening.peers;
-  // A Direct int8 call sums its chunks within the node a tile at a time as they are rounded, but
-  // for the first, summed whole while the check across nodes crosses: no chunk crosses before
-  // it. The node sums hold what is summed whole.
-  const bool tiles = call.int8 && call.peers;
+  // A Direct block-scaled call sums its chunks within the node a tile at a time as they are
+  // rounded, but for the first, summed whole while the check across nodes crosses: no chunk crosses
+  // before it. The node sums hold what is summed whole.
+  const bool tiles = call.quantized && call.peers;
   const std::shared_ptr<std::vector<char>> node_sums =
       comm.buffers().node_sums(size_t(tiles ? chunk_elements(0) : total) * x.acc_size);
   auto sums_at = [&](int64_t b) {
@@ -397,8 +399,9 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
     }
     // The check across nodes started with the first block and ran while the node summed it.
     if (c == 0) comm.finish_node_check(call.meta, "", call.what);
-    if (chunk_elements(c) > 0 && call.int8) {
-      const CrossNode::Int8Values values = [&](int64_t lo, int64_t n, float* room) -> const float* {
+    if (chunk_elements(c) > 0 && call.quantized) {
+      const CrossNode::BlockValues values = [&](int64_t lo, int64_t n,
+                                                float* room) -> const float* {
         if (!tiled) return reinterpret_cast<const float*>(sums_at(first)) + lo;
         for_slices(x, full_slice, first, lo, n,
                    [&](int64_t b, int64_t from, int64_t to, int64_t at) {
@@ -407,8 +410,9 @@ void allreduce_across_nodes(AllreduceCall& call, CallEnd* end) {
         return room;
       };
       comm.across("all-reduce", call.what, [&] {
-        link.start_reduce_int8(chunk_elements(c), values, residual_at(first, 0),
-                               link.nodes() > 2 ? residual_at(first, 1) : nullptr);
+        link.start_reduce_blocks(chunk_elements(c), call.quantized->bits, values,
+                                 residual_at(first, 0),
+                                 link.nodes() > 2 ? residual_at(first, 1) : nullptr);
       });
     } else if (chunk_elements(c) > 0) {
       const std::shared_ptr<void> chunk(node_sums, sums_at(first));
@@ -439,15 +443,15 @@ float* Residual::sized(int64_t n) {
 }
 
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what, const Int8Across* int8, CallEnd* end) {
+               const std::string& what, const BlocksAcross* quantized, CallEnd* end) {
   TORCH_CHECK_VALUE(numel >= 0, "ddpx: negative element count");
   if (end == nullptr) comm.hand_out_in_flight(0);
-  TORCH_INTERNAL_ASSERT(!int8 || (wire == dtype && dtype != DType::Float64),
-                        "ddpx: int8 sums float32, bfloat16 and float16 data, uncompressed within "
-                        "the node");
+  TORCH_INTERNAL_ASSERT(!quantized || (wire == dtype && dtype != DType::Float64),
+                        "ddpx: int8 and int4 sum float32, bfloat16 and float16 data, uncompressed "
+                        "within the node");
   ScheduleChoice& choice = comm.schedule();
   const CallMeta meta = comm.begin(Collective::AllReduce, numel, int32_t(dtype),
-                                   int32_t(int8 ? DType::Int8 : wire), scale, 0);
+                                   int32_t(quantized ? quantized->wire() : wire), scale, 0);
   const size_t wire_size = dtype_size(wire);
   const size_t bytes = size_t(numel) * wire_size;
   const Schedule schedule = choice.schedule_for(bytes);
@@ -483,8 +487,9 @@ void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wir
   // ranks. Only for a tensor that fits in the cache: from memory, reading it in the sum is slower
   // than copying it in first.
   const bool own_slice_direct = !one_shot && wire == dtype && out_write == Write::Cached;
-  AllreduceCall call{comm,      blocks, meta, SumRule(dtype, wire, scale), wide, own_slice_direct,
-                     out_write, what,   int8};
+  AllreduceCall call{comm,     blocks,           meta,      SumRule(dtype, wire, scale),
+                     wide,     own_slice_direct, out_write, what,
+                     quantized};
   if (comm.spans_nodes()) {
     try {
       allreduce_across_nodes(call, end);

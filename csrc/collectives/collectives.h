@@ -51,11 +51,14 @@ struct Residual {
   float* sized(int64_t n);
 };
 
-// compression="int8" of an all-reduce (request.h): where the call spans nodes, each node's float32
-// sums cross nodes as block-scaled int8 (quantize.h), with residual's error feedback if one is
-// given; within a node nothing changes, the data is summed as it is, uncompressed.
-struct Int8Across {
+// compression="int8" or "int4" of an all-reduce (request.h): where the call spans nodes, each
+// node's float32 sums cross nodes as block-scaled integers of `bits` (quantize.h), with residual's
+// error feedback if one is given; within a node nothing changes, the data is summed as it is,
+// uncompressed.
+struct BlocksAcross {
+  int bits;  // 8 or 4
   std::shared_ptr<Residual> residual;
+  DType wire() const { return bits == 8 ? DType::Int8 : DType::Int4; }
 };
 
 // data[i] = the sum over ranks of data_r[i], scaled and carried as SumRule says,
@@ -67,7 +70,8 @@ struct Int8Across {
 // end, or any other call, does as it goes (NodeComm's in-flight chunks). Every rank of the group
 // must pass an end to the same calls.
 void allreduce(NodeComm& comm, void* data, DType dtype, int64_t numel, DType wire, double scale,
-               const std::string& what, const Int8Across* int8 = nullptr, CallEnd* end = nullptr);
+               const std::string& what, const BlocksAcross* quantized = nullptr,
+               CallEnd* end = nullptr);
 
 // Every rank's `bytes` bytes of in land at outs[rank] on every rank (in may be outs[me]).
 void allgather(NodeComm& comm, const void* in, size_t bytes, int32_t torch_dtype, void* const* outs,

@@ -23,8 +23,9 @@
 namespace ddpx {
 namespace {
 
-// int8 rounds and sums a chunk a tile at a time, whole blocks that stay in the core's L1 cache.
-constexpr int64_t kTile = 64 * kInt8Block;
+// Block-scaled chunks are rounded and summed a tile at a time, whole blocks that stay in the core's
+// L1 cache.
+constexpr int64_t kTile = 64 * kBlock;
 
 // The node-to-node step of the hierarchical all-reduce, for one chunk of one rank's slices.
 // Uncompressed, the chunk is all-reduced as it is. Compressed, it crosses in the wire dtype both
@@ -34,9 +35,10 @@ constexpr int64_t kTile = 64 * kInt8Block;
 // other, the same bytes in one round instead of two, and each sums both chunks in node order and
 // rounds once (faster than dealing and gathering; uncompressed, gloo's all-reduce stays faster
 // than trading the chunks: docs/design.md, "Across nodes"). Every rank holding the chunk ends with
-// the same bits, and the bytes on the network are those of the wire dtype. int8 crosses the same
-// way, block-scaled (quantize.h): each rank rounds its chunk (and, among more than two nodes, the
-// summed piece it owns) with error feedback, and every sum is of dequantized float32 in node order.
+// the same bits, and the bytes on the network are those of the wire dtype. int8 and int4 cross
+// the same way, block-scaled (quantize.h): each rank rounds its chunk (and, among more than two
+// nodes, the summed piece it owns) with error feedback, and every sum is of dequantized float32 in
+// node order.
 //
 // Nothing here waits for a transfer it could overlap: the caller's thread deals a chunk (or
 // starts its all-reduce) as soon as it is summed within the node, a link thread sums the dealt
@@ -131,25 +133,27 @@ class ProcessGroupCrossNode final : public CrossNode {
 
   // Between two nodes each node's chunk crosses whole and both nodes sum the two in node order;
   // among more, each node's chunk is dealt in one piece per node, each rank sums its piece over
-  // the nodes, rounds the sum to int8 again (keeping what that lost in `pieces`) and gathers the
-  // pieces back. Every piece is quantized on its own, its blocks starting at its first element.
-  void start_reduce_int8(int64_t n, const Int8Values& values, std::shared_ptr<float> residual,
-                         std::shared_ptr<float> pieces) override {
+  // the nodes, rounds the sum to the chunk's bits again (keeping what that lost in `pieces`) and
+  // gathers the pieces back. Every piece is quantized on its own, its blocks starting at its first
+  // element.
+  void start_reduce_blocks(int64_t n, int bits, const BlockValues& values,
+                           std::shared_ptr<float> residual,
+                           std::shared_ptr<float> pieces) override {
     auto chunk = std::make_shared<Chunk>();
-    chunk->int8 = true;
+    chunk->bits = bits;
     chunk->n = n;
     chunk->node = node();
     chunk->pieces = std::move(pieces);
     const size_t lane = next_lane();
     if (nodes_ == 2) {
-      const Int8Layout layout(n);
+      const BlockLayout layout(n, bits);
       chunk->dealt = bytes_like(layout.bytes());
       round_tiles(chunk->dealt.data_ptr(), layout, values, 0, n, residual.get());
       trade(std::move(chunk), lane);
       return;
     }
     chunk->piece = (n + nodes_ - 1) / nodes_;
-    const Int8Layout layout(chunk->piece);
+    const BlockLayout layout(chunk->piece, bits);
     chunk->dealt = bytes_like(size_t(nodes_) * layout.bytes());
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(n, k * chunk->piece);
@@ -238,16 +242,16 @@ class ProcessGroupCrossNode final : public CrossNode {
   }
 
   // Both nodes' chunks summed in node order, or every node's gathered piece, to put.
-  void finish_reduce_int8(const Int8Sums& put) override {
+  void finish_reduce_blocks(const BlockSums& put) override {
     std::shared_ptr<Chunk> chunk = oldest(true);
     cross(*chunk);
     if (nodes_ == 2) {
-      const Int8Layout layout(chunk->n);
+      const BlockLayout layout(chunk->n, chunk->bits);
       sum_tiles(in_node_order(*chunk).data(), 2, layout, 0, chunk->n, put);
       count(int64_t(layout.bytes()));
       return;
     }
-    const Int8Layout layout(chunk->piece);
+    const BlockLayout layout(chunk->piece, chunk->bits);
     for (int k = 0; k < nodes_; ++k) {
       const int64_t lo = std::min(chunk->n, k * chunk->piece);
       const void* piece =
@@ -276,10 +280,10 @@ class ProcessGroupCrossNode final : public CrossNode {
   struct Chunk {
     std::shared_ptr<void> data;  // start_reduce: n accumulation-dtype elements, summed in place
     DType acc = DType::Float32, wire = DType::Float32;
-    bool int8 = false;  // block-scaled int8 on the wire (start_reduce_int8)
+    int bits = 0;  // block-scaled integers of these bits on the wire (start_reduce_blocks), or 0
     int64_t n = 0, piece = 0;
     int node = 0;                   // this rank's node, whose piece the link thread sums
-    std::shared_ptr<float> pieces;  // int8: what the second rounding lost, n elements, or null
+    std::shared_ptr<float> pieces;  // blocks: what the second rounding lost, n elements, or null
     // Compressed: the wire-dtype pieces dealt, received and summed (between two nodes, this
     // node's chunk and then the sum, and the other node's chunk).
     at::Tensor dealt, received, mine;
@@ -342,8 +346,8 @@ class ProcessGroupCrossNode final : public CrossNode {
         if (!broken.empty()) C10_THROW_ERROR(DistBackendError, broken);
         link->watch->await(*c->work);
         const int64_t nodes = c->gathering_group->getSize();
-        if (c->int8) {
-          sum_piece_int8(*c, int(nodes));
+        if (c->bits != 0) {
+          sum_piece_blocks(*c, int(nodes));
         } else {
           sum_piece(*c, int(nodes));
         }
@@ -366,20 +370,21 @@ class ProcessGroupCrossNode final : public CrossNode {
     kernels().reduce(c.mine.data_ptr(), c.wire, pieces, nodes, c.wire, c.piece, 1.0, Write::Cached);
   }
 
-  // Sums this node's piece of every node's int8 chunk in float32, in node order, and rounds the
-  // sum to int8 again, the residual of that rounding kept in the chunk's pieces.
-  static void sum_piece_int8(Chunk& c, int nodes) {
-    const Int8Layout layout(c.piece);
+  // Sums this node's piece of every node's block-scaled chunk in float32, in node order, and
+  // rounds the sum to the chunk's bits again, the residual of that rounding kept in the chunk's
+  // pieces.
+  static void sum_piece_blocks(Chunk& c, int nodes) {
+    const BlockLayout layout(c.piece, c.bits);
     const void* pieces[kMaxSources];
     for (int i = 0; i < nodes; ++i) {
       pieces[i] = static_cast<const char*>(c.received.data_ptr()) + size_t(i) * layout.bytes();
     }
     std::vector<float> sum(size_t(c.piece));
-    kernels().dequantize_sum_int8(sum.data(), pieces, nodes, layout, c.piece, 0, layout.blocks);
+    kernels().dequantize_sum_blocks(sum.data(), pieces, nodes, layout, c.piece, 0, layout.blocks);
     const int64_t lo = std::min(c.n, c.node * c.piece);
-    kernels().quantize_int8(c.mine.data_ptr(), layout, sum.data(),
-                            c.pieces ? c.pieces.get() + lo : nullptr, std::min(c.piece, c.n - lo),
-                            0, layout.blocks);
+    kernels().quantize_blocks(c.mine.data_ptr(), layout, sum.data(),
+                              c.pieces ? c.pieces.get() + lo : nullptr, std::min(c.piece, c.n - lo),
+                              0, layout.blocks);
   }
 
   // Between two nodes a compressed chunk crosses as a send of this node's and a receive of the
@@ -416,8 +421,8 @@ class ProcessGroupCrossNode final : public CrossNode {
                        : std::array<const void*, 2>{theirs, mine};
   }
 
-  std::shared_ptr<Chunk> oldest(bool int8) {
-    TORCH_INTERNAL_ASSERT(!pending_.empty() && pending_.front()->int8 == int8,
+  std::shared_ptr<Chunk> oldest(bool blocks) {
+    TORCH_INTERNAL_ASSERT(!pending_.empty() && (pending_.front()->bits != 0) == blocks,
                           "ddpx: a chunk across nodes finished as another kind than it started");
     std::shared_ptr<Chunk> chunk = std::move(pending_.front());
     pending_.pop_front();
@@ -426,24 +431,24 @@ class ProcessGroupCrossNode final : public CrossNode {
 
   // Rounds values [from, from + count) (count <= layout.n) into out, a tile at a time, and zeroes
   // the rest of the layout.
-  void round_tiles(void* out, const Int8Layout& layout, const Int8Values& values, int64_t from,
+  void round_tiles(void* out, const BlockLayout& layout, const BlockValues& values, int64_t from,
                    int64_t count, float* residual) {
     for (int64_t lo = 0; lo < layout.n; lo += kTile) {
       const int64_t len = std::clamp<int64_t>(count - lo, 0, kTile);
       const float* v = len > 0 ? values(from + lo, len, tile_.data()) : tile_.data();
-      kernels().quantize_int8(out, layout, v, residual ? residual + lo : nullptr, count,
-                              lo / kInt8Block, std::min(layout.blocks, (lo + kTile) / kInt8Block));
+      kernels().quantize_blocks(out, layout, v, residual ? residual + lo : nullptr, count,
+                                lo / kBlock, std::min(layout.blocks, (lo + kTile) / kBlock));
     }
   }
 
   // The first count values of nsrc buffers of layout, summed a tile at a time, to put as values
   // [from, from + count).
-  void sum_tiles(const void* const* srcs, int nsrc, const Int8Layout& layout, int64_t from,
-                 int64_t count, const Int8Sums& put) {
+  void sum_tiles(const void* const* srcs, int nsrc, const BlockLayout& layout, int64_t from,
+                 int64_t count, const BlockSums& put) {
     for (int64_t lo = 0; lo < count; lo += kTile) {
       const int64_t len = std::min(kTile, count - lo);
-      kernels().dequantize_sum_int8(tile_.data(), srcs, nsrc, layout, count, lo / kInt8Block,
-                                    (lo + len + kInt8Block - 1) / kInt8Block);
+      kernels().dequantize_sum_blocks(tile_.data(), srcs, nsrc, layout, count, lo / kBlock,
+                                      (lo + len + kBlock - 1) / kBlock);
       put(from + lo, tile_.data(), len);
     }
   }
@@ -470,7 +475,7 @@ class ProcessGroupCrossNode final : public CrossNode {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<Link> link_;
   size_t next_lane_ = 0;
-  std::vector<float> tile_ = std::vector<float>(kTile);  // the caller's thread's, for int8
+  std::vector<float> tile_ = std::vector<float>(kTile);  // the caller's thread's, for blocks
   std::deque<std::shared_ptr<Chunk>> pending_;           // started chunks, oldest first
   std::deque<Trade> trades_;                             // started trades, oldest first
   at::Tensor words_in_, words_out_;

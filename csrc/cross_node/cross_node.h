@@ -27,26 +27,26 @@ class CrossNode {
   virtual std::vector<int64_t> finish_gather() = 0;
   // Starts summing n accumulation-dtype elements in place over the nodes, sending them in the
   // wire dtype; `data` stays owned by the transfer until it ends. finish_reduce waits for the
-  // oldest transfer still running (finish_reduce_int8: of start_reduce_int8) and throws its
+  // oldest transfer still running (finish_reduce_blocks: of start_reduce_blocks) and throws its
   // failure. Both throw on failure.
   virtual void start_reduce(std::shared_ptr<void> data, DType acc, DType wire, int64_t n) = 0;
   virtual void finish_reduce() = 0;
-  // As start_reduce, for n float32 elements sent as block-scaled int8 (quantize.h), which
-  // `values` gives a tile at a time while the call rounds them (so they need lie nowhere whole).
-  // residual (n elements, or null) holds what this rank's rounding of them lost, added before
-  // rounding and updated after; among more than two nodes, pieces (n elements, or null) holds the
-  // same for the second rounding, of the piece of the sum this node owns. finish_reduce_int8 ends
-  // it, handing the sums to `put` a tile at a time, in order. values(lo, n, room) returns the
-  // values [lo, lo + n): where they lie, or put into room (n floats); put(lo, sums, n) takes the
-  // sums [lo, lo + n), which sums holds only during the call.
-  using Int8Values = std::function<const float*(int64_t lo, int64_t n, float* room)>;
-  using Int8Sums = std::function<void(int64_t lo, const float* sums, int64_t n)>;
-  virtual void start_reduce_int8(int64_t n, const Int8Values& values,
-                                 std::shared_ptr<float> residual,
-                                 std::shared_ptr<float> pieces) = 0;
-  virtual void finish_reduce_int8(const Int8Sums& put) = 0;
+  // As start_reduce, for n float32 elements sent as block-scaled integers of `bits` (8 or 4:
+  // quantize.h), which `values` gives a tile at a time while the call rounds them (so they need
+  // lie nowhere whole). residual (n elements, or null) holds what this rank's rounding of them
+  // lost, added before rounding and updated after; among more than two nodes, pieces (n
+  // elements, or null) holds the same for the second rounding, of the piece of the sum this node
+  // owns. finish_reduce_blocks ends it, handing the sums to `put` a tile at a time, in order.
+  // values(lo, n, room) returns the values [lo, lo + n): where they lie, or put into room (n
+  // floats); put(lo, sums, n) takes the sums [lo, lo + n), which sums holds only during the call.
+  using BlockValues = std::function<const float*(int64_t lo, int64_t n, float* room)>;
+  using BlockSums = std::function<void(int64_t lo, const float* sums, int64_t n)>;
+  virtual void start_reduce_blocks(int64_t n, int bits, const BlockValues& values,
+                                   std::shared_ptr<float> residual,
+                                   std::shared_ptr<float> pieces) = 0;
+  virtual void finish_reduce_blocks(const BlockSums& put) = 0;
   // Waits until the oldest transfer still running has crossed, leaving its finish_reduce (or
-  // finish_reduce_int8) only this node's work. Throws where the transfer failed.
+  // finish_reduce_blocks) only this node's work. Throws where the transfer failed.
   virtual void await_oldest() = 0;
   // Whether await_oldest would return without waiting for the link; false also where that cannot
   // be known before waiting (gloo's sends and receives).

@@ -118,6 +118,7 @@ cudaError_t with_type(DType type, Launch launch) {
       return launch(__half{});
     case DType::Float64:
     case DType::Int8:
+    case DType::Int4:
       break;
   }
   return cudaErrorInvalidValue;

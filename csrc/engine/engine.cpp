@@ -141,11 +141,11 @@ void all_reduce(NodeComm& comm, const at::Tensor& input, const Request& request)
     if (!why.empty()) comm.reject(why, request.what, end != nullptr);
     const at::Tensor tensor = as_real(input);
     const DType dtype = *to_dtype(tensor.scalar_type());
-    const Int8Across int8{request.residual};
-    const bool int8_across = request.wire == at::kChar;
-    const DType wire = int8_across ? dtype : *to_dtype(wire_dtype(tensor.scalar_type(), request));
+    const BlocksAcross quantized{quantized_bits(request), request.residual};
+    const DType wire =
+        quantized.bits != 0 ? dtype : *to_dtype(wire_dtype(tensor.scalar_type(), request));
     allreduce(comm, tensor.data_ptr(), dtype, tensor.numel(), wire, request.scale, request.what,
-              int8_across ? &int8 : nullptr, end ? &end : nullptr);
+              quantized.bits != 0 ? &quantized : nullptr, end ? &end : nullptr);
   } catch (...) {
     if (end) comm.offer_call_end(std::move(end));
     throw;

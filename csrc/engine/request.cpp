@@ -30,6 +30,12 @@ std::string_view torch_name(at::ScalarType t) { return c10::getDtypeNames(t).fir
 
 }  // namespace
 
+int quantized_bits(const Request& request) {
+  if (request.wire == at::kChar) return 8;
+  if (request.wire == at::ScalarType::Int4) return 4;
+  return 0;
+}
+
 at::ScalarType wire_dtype(at::ScalarType data, const Request& request) {
   return request.wire.value_or(data);
 }
@@ -49,8 +55,8 @@ std::string invalid_input(const at::Tensor& input, const Request& request, c10::
     return {};
   }
   const bool cpu = device == c10::DeviceType::CPU;
-  const bool int8 = request.wire == at::kChar;
-  if (int8 && cpu && tensor.defined() && tensor.layout() == at::kStrided && tensor.is_cpu() &&
+  const bool quantized = quantized_bits(request) != 0;
+  if (quantized && cpu && tensor.defined() && tensor.layout() == at::kStrided && tensor.is_cpu() &&
       tensor.is_contiguous() && to_dtype(tensor.scalar_type()) &&
       tensor.scalar_type() != at::kDouble) {
     return {};
@@ -74,12 +80,14 @@ std::string invalid_input(const at::Tensor& input, const Request& request, c10::
     why << "ddpx: " << request.what << " has dtype " << torch_name(tensor.scalar_type())
         << "; ddpx reduces float32, float64, bfloat16, float16 and complex64/128 (use "
            "torch.distributed.all_reduce for other dtypes)";
-  } else if (int8 && !cpu) {
-    why << "ddpx: compression to int8 crosses nodes from CPU buckets, and " << request.what
-        << " is on " << tensor.device() << ": use bf16 for CUDA buckets";
-  } else if (int8) {
+  } else if (quantized && !cpu) {
+    why << "ddpx: compression to " << torch_name(*request.wire)
+        << " crosses nodes from CPU buckets, and " << request.what << " is on " << tensor.device()
+        << ": use bf16 for CUDA buckets";
+  } else if (quantized) {
     why << "ddpx: " << request.what << " is " << torch_name(tensor.scalar_type())
-        << " and cannot travel as int8; compress float32/bfloat16/float16 data only";
+        << " and cannot travel as " << torch_name(*request.wire)
+        << "; compress float32/bfloat16/float16 data only";
   } else if (request.wire && !to_dtype(*request.wire)) {
     why << "ddpx: compression to " << torch_name(*request.wire) << " is not supported";
   } else if (request.wire && *request.wire != tensor.scalar_type()) {

@@ -17,19 +17,23 @@ struct Residual;  // collectives.h
 
 struct Request {
   double scale = 1.0;  // applied to every rank's input before the sum
-  // dtype in transit; the tensor's own when empty. int8 (at::kChar) is compression="int8":
-  // block-scaled int8 between nodes, the data's own dtype within a node (collectives.h).
+  // dtype in transit; the tensor's own when empty. int8 (at::kChar) and int4 are
+  // compression="int8" and "int4": block-scaled integers between nodes, the data's own dtype
+  // within a node (collectives.h).
   std::optional<at::ScalarType> wire;
   std::string what;  // names the call in errors ("gradient bucket 3")
   // Whether wire is meant for dense tensors only: the hook's compression is of the dense buckets,
   // and a sparse gradient travels in its own dtype, as on DDP's default; ddpx.all_reduce's is of
   // the tensor it was given, and refused for a sparse one (Engine::run_async).
   bool dense_wire_only = false;
-  std::shared_ptr<Residual> residual;  // int8's error feedback for this tensor, or none
+  std::shared_ptr<Residual> residual;  // int8's and int4's error feedback, or none
   // The call's future may complete after later calls start (collectives.h, allreduce's end):
   // the hook's gradient buckets but the last of a backward, whose waits DDP makes at its end.
   bool defer = false;
 };
+
+// The bits of a block-scaled wire (8 for int8, 4 for int4), or 0 for any other.
+int quantized_bits(const Request& request);
 
 // The kernels' dtype for a torch dtype, or none for one ddpx does not reduce.
 std::optional<DType> to_dtype(at::ScalarType t);

@@ -84,6 +84,7 @@ decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
     case DType::Float16:
       return fn(static_cast<Float16*>(nullptr));
     case DType::Int8:
+    case DType::Int4:
       break;  // block-scaled: quantize.h
   }
   throw std::invalid_argument("ddpx: unknown dtype code");

@@ -24,6 +24,8 @@ const char* dtype_name(DType t) {
       return "float16";
     case DType::Int8:
       return "int8";
+    case DType::Int4:
+      return "int4";
   }
   return "unknown";
 }
@@ -32,8 +34,8 @@ namespace {
 void plain_copy(void* dst, const void* src, size_t bytes, Write) { std::memcpy(dst, src, bytes); }
 
 const Kernels kPortable{
-    "portable",  &convert_dispatch<ScalarLoops>,  &reduce_dispatch<ScalarLoops>,
-    &plain_copy, &detail::quantize_int8_portable, &detail::dequantize_sum_int8_portable};
+    "portable",  &convert_dispatch<ScalarLoops>,    &reduce_dispatch<ScalarLoops>,
+    &plain_copy, &detail::quantize_blocks_portable, &detail::dequantize_sum_blocks_portable};
 }  // namespace
 
 const Kernels* kernels_for(const char* isa) {

@@ -9,9 +9,17 @@ namespace ddpx {
 
 constexpr int kMaxSources = 64;  // ranks a reduction sums at most
 
-// Int8 names compression="int8" on the wire between nodes in a call's description; it is
-// block-scaled (quantize.h), and no kernel here takes it.
-enum class DType : int32_t { Float32 = 0, Float64 = 1, BFloat16 = 2, Float16 = 3, Int8 = 4 };
+// Int8 and Int4 name compression="int8" and "int4" on the wire between nodes in a call's
+// description; they are block-scaled (quantize.h), and no kernel here but those of quantize.h
+// takes them.
+enum class DType : int32_t {
+  Float32 = 0,
+  Float64 = 1,
+  BFloat16 = 2,
+  Float16 = 3,
+  Int8 = 4,
+  Int4 = 5
+};
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
@@ -35,22 +43,22 @@ using ReduceFn = void (*)(void* dst, DType dst_t, const void* const* srcs, int n
 // dst[0..bytes) = src[0..bytes), any bits; dst and src do not overlap.
 using CopyFn = void (*)(void* dst, const void* src, size_t bytes, Write write);
 
-// Block-scaled int8's rounding and its dequantized sum, over blocks [first, end) of a layout
+// Block-scaled integers' rounding and their dequantized sum, over blocks [first, end) of a layout
 // (quantize.h says what each does).
-struct Int8Layout;
-using QuantizeInt8Fn = void (*)(void* out, const Int8Layout& layout, const float* x,
-                                float* residual, int64_t count, int64_t first, int64_t end);
-using DequantizeSumInt8Fn = void (*)(float* dst, const void* const* srcs, int nsrc,
-                                     const Int8Layout& layout, int64_t count, int64_t first,
-                                     int64_t end);
+struct BlockLayout;
+using QuantizeBlocksFn = void (*)(void* out, const BlockLayout& layout, const float* x,
+                                  float* residual, int64_t count, int64_t first, int64_t end);
+using DequantizeSumBlocksFn = void (*)(float* dst, const void* const* srcs, int nsrc,
+                                       const BlockLayout& layout, int64_t count, int64_t first,
+                                       int64_t end);
 
 struct Kernels {
   const char* isa;
   ConvertFn convert;
   ReduceFn reduce;
   CopyFn copy;
-  QuantizeInt8Fn quantize_int8;
-  DequantizeSumInt8Fn dequantize_sum_int8;
+  QuantizeBlocksFn quantize_blocks;
+  DequantizeSumBlocksFn dequantize_sum_blocks;
 };
 
 // The widest kernels this CPU runs, chosen once at first use ("avx2" or "portable").

@@ -195,12 +195,13 @@ DDPX_AVX2 void copy_bytes(void* dst, const void* src, size_t bytes, Write write)
   _mm_sfence();
 }
 
-// Block-scaled int8 (quantize.h), a block of 64 values as eight vectors: the portable loops'
+// Block-scaled integers (quantize.h), a block of 64 values as eight vectors: the portable loops'
 // multiplies, adds and subtractions in the same order (the build never fuses them), so the same
 // bits. A block that is partial or holds a value that is not finite takes the portable loop.
-constexpr int kInt8Vectors = int(kInt8Block / 8);
+constexpr int kBlockVectors = int(kBlock / 8);
 
-// The eight vectors' values, each an integer in [-127, 127], as 64 bytes in order.
+// The eight vectors' values, each an integer in [-127, 127] (int4: [-7, 7]), as 64 bytes in
+// order.
 DDPX_AVX2 inline void store_int8x64(int8_t* out, const __m256i* q) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int half = 0; half < 2; ++half) {
@@ -214,19 +215,19 @@ DDPX_AVX2 inline void store_int8x64(int8_t* out, const __m256i* q) {
   }
 }
 
-DDPX_AVX2 void quantize_int8_avx2(void* out, const Int8Layout& layout, const float* x,
-                                  float* residual, int64_t count, int64_t first, int64_t end) {
-  static_assert(kInt8Block % 32 == 0, "a block is whole vectors and whole 32-byte stores");
+DDPX_AVX2 void quantize_blocks_avx2(void* out, const BlockLayout& layout, const float* x,
+                                    float* residual, int64_t count, int64_t first, int64_t end) {
+  static_assert(kBlock % 32 == 0, "a block is whole vectors and whole 32-byte stores");
   auto* scales = static_cast<float*>(out);
-  auto* values = reinterpret_cast<int8_t*>(static_cast<char*>(out) + layout.values_offset());
-  const int64_t whole = std::clamp(count / kInt8Block, first, end);
+  const int64_t whole = std::clamp(count / kBlock, first, end);
+  const float levels = layout.levels();
   const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(FLT_MAX);
   const __m256 magic = _mm256_set1_ps(12582912.0f);  // quantize.cpp's round_even
   for (int64_t b = first; b < whole; ++b) {
-    const int64_t lo = b * kInt8Block, at = lo - first * kInt8Block;
-    __m256 v[kInt8Vectors];
+    const int64_t lo = b * kBlock, at = lo - first * kBlock;
+    __m256 v[kBlockVectors];
     __m256 largest = _mm256_setzero_ps(), unbounded = _mm256_setzero_ps();
-    for (int j = 0; j < kInt8Vectors; ++j) {
+    for (int j = 0; j < kBlockVectors; ++j) {
       v[j] = _mm256_loadu_ps(x + at + 8 * j);
       if (residual != nullptr) v[j] = _mm256_add_ps(v[j], _mm256_loadu_ps(residual + at + 8 * j));
       const __m256 a = _mm256_andnot_ps(sign, v[j]);
@@ -234,21 +235,21 @@ DDPX_AVX2 void quantize_int8_avx2(void* out, const Int8Layout& layout, const flo
       largest = _mm256_max_ps(largest, a);
     }
     if (!_mm256_testz_ps(unbounded, unbounded)) {
-      detail::quantize_int8_portable(out, layout, x + at, residual ? residual + at : nullptr, count,
-                                     b, b + 1);
+      detail::quantize_blocks_portable(out, layout, x + at, residual ? residual + at : nullptr,
+                                       count, b, b + 1);
       continue;
     }
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     const float most = _mm_cvtss_f32(m);
-    const bool tiny = most < kInt8Smallest;
-    const float scale = tiny ? 0.0f : most / 127.0f;
+    const bool tiny = most < kBlockSmallest;
+    const float scale = tiny ? 0.0f : most / levels;
     const __m256 s = _mm256_set1_ps(scale);
-    const __m256 inverse = _mm256_set1_ps(tiny ? 0.0f : 127.0f / most);
+    const __m256 inverse = _mm256_set1_ps(tiny ? 0.0f : levels / most);
     scales[b] = scale;
-    __m256i q[kInt8Vectors];
-    for (int j = 0; j < kInt8Vectors; ++j) {
+    __m256i q[kBlockVectors];
+    for (int j = 0; j < kBlockVectors; ++j) {
       const __m256 rounded =
           _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[j], inverse), magic), magic);
       q[j] = _mm256_cvtps_epi32(rounded);
@@ -256,38 +257,45 @@ DDPX_AVX2 void quantize_int8_avx2(void* out, const Int8Layout& layout, const flo
         _mm256_storeu_ps(residual + at + 8 * j, _mm256_sub_ps(v[j], _mm256_mul_ps(rounded, s)));
       }
     }
-    store_int8x64(values + lo, q);
+    if (layout.bits == 8) {
+      store_int8x64(static_cast<int8_t*>(out) + layout.block_offset(b), q);
+    } else {
+      alignas(32) int8_t bytes[kBlock];
+      store_int8x64(bytes, q);
+      put_block_values(out, layout, b, bytes, kBlock);
+    }
   }
-  const int64_t done = (whole - first) * kInt8Block;
-  detail::quantize_int8_portable(out, layout, x + done, residual ? residual + done : nullptr, count,
-                                 whole, end);
+  const int64_t done = (whole - first) * kBlock;
+  detail::quantize_blocks_portable(out, layout, x + done, residual ? residual + done : nullptr,
+                                   count, whole, end);
 }
 
-DDPX_AVX2 void dequantize_sum_int8_avx2(float* dst, const void* const* srcs, int nsrc,
-                                        const Int8Layout& layout, int64_t count, int64_t first,
-                                        int64_t end) {
-  const int64_t whole = std::clamp(count / kInt8Block, first, end);
+DDPX_AVX2 void dequantize_sum_blocks_avx2(float* dst, const void* const* srcs, int nsrc,
+                                          const BlockLayout& layout, int64_t count, int64_t first,
+                                          int64_t end) {
+  const int64_t whole = std::clamp(count / kBlock, first, end);
+  int8_t room[kBlock];
   for (int64_t b = first; b < whole; ++b) {
-    const int64_t lo = b * kInt8Block, at = lo - first * kInt8Block;
-    __m256 sum[kInt8Vectors] = {};
+    const int64_t at = (b - first) * kBlock;
+    __m256 sum[kBlockVectors] = {};
     for (int k = 0; k < nsrc; ++k) {
       const auto* from = static_cast<const char*>(srcs[k]);
       const __m256 s = _mm256_set1_ps(reinterpret_cast<const float*>(from)[b]);
-      const char* q = from + layout.values_offset() + lo;
-      for (int j = 0; j < kInt8Vectors; ++j) {
+      const int8_t* q = block_values(from, layout, b, kBlock, room);
+      for (int j = 0; j < kBlockVectors; ++j) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * j));
         const __m256 one = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
         sum[j] = k == 0 ? one : _mm256_add_ps(sum[j], one);
       }
     }
-    for (int j = 0; j < kInt8Vectors; ++j) _mm256_storeu_ps(dst + at + 8 * j, sum[j]);
+    for (int j = 0; j < kBlockVectors; ++j) _mm256_storeu_ps(dst + at + 8 * j, sum[j]);
   }
-  detail::dequantize_sum_int8_portable(dst + (whole - first) * kInt8Block, srcs, nsrc, layout,
-                                       count, whole, end);
+  detail::dequantize_sum_blocks_portable(dst + (whole - first) * kBlock, srcs, nsrc, layout, count,
+                                         whole, end);
 }
 
 const Kernels kAvx2{"avx2",      &convert_dispatch<Avx2Loops>, &reduce_dispatch<Avx2Loops>,
-                    &copy_bytes, &quantize_int8_avx2,          &dequantize_sum_int8_avx2};
+                    &copy_bytes, &quantize_blocks_avx2,        &dequantize_sum_blocks_avx2};
 
 }  // namespace
 

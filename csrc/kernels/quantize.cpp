@@ -1,4 +1,4 @@
-// Block-scaled int8 (quantize.h). Plain loops the compiler vectorizes; the build turns off
+// Block-scaled integers (quantize.h). Plain loops the compiler vectorizes; the build turns off
 // floating-point contraction, so a multiply and an add are never fused and every instruction set
 // gives the same bits.
 #include "quantize.h"
@@ -46,52 +46,51 @@ bool largest_magnitude(const float* v, int64_t len, float* largest) {
 
 namespace detail {
 
-void quantize_int8_portable(void* out, const Int8Layout& layout, const float* x, float* residual,
-                            int64_t count, int64_t first, int64_t end) {
+void quantize_blocks_portable(void* out, const BlockLayout& layout, const float* x, float* residual,
+                              int64_t count, int64_t first, int64_t end) {
   auto* scales = static_cast<float*>(out);
-  auto* values = reinterpret_cast<int8_t*>(static_cast<char*>(out) + layout.values_offset());
-  float v[kInt8Block];
+  const float levels = layout.levels();
+  float v[kBlock];
+  int8_t q[kBlock];
   for (int64_t b = first; b < end; ++b) {
-    const int64_t lo = b * kInt8Block;
-    const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
-    const float* in = x + (lo - first * kInt8Block);
-    float* kept = residual != nullptr ? residual + (lo - first * kInt8Block) : nullptr;
+    const int64_t lo = b * kBlock;
+    const int64_t len = std::clamp<int64_t>(count - lo, 0, kBlock);
+    const int64_t room = std::min<int64_t>(kBlock, layout.n - lo);
+    const float* in = x + (lo - first * kBlock);
+    float* kept = residual != nullptr ? residual + (lo - first * kBlock) : nullptr;
     for (int64_t i = 0; i < len; ++i) v[i] = kept != nullptr ? in[i] + kept[i] : in[i];
+    std::memset(q, 0, sizeof(q));
     float largest = 0.0f;
-    const bool finite = largest_magnitude(v, len, &largest);
-    int8_t* q = values + lo;
-    if (!finite) {
+    if (!largest_magnitude(v, len, &largest)) {
       scales[b] = std::numeric_limits<float>::quiet_NaN();
-      std::memset(q, 0, size_t(std::min<int64_t>(kInt8Block, layout.n - lo)));
+      put_block_values(out, layout, b, q, room);
       if (kept != nullptr) std::fill(kept, kept + len, 0.0f);
       continue;
     }
-    const bool tiny = largest < kInt8Smallest;
-    const float scale = tiny ? 0.0f : largest / 127.0f;
-    const float inverse = tiny ? 0.0f : 127.0f / largest;
+    const bool tiny = largest < kBlockSmallest;
+    const float scale = tiny ? 0.0f : largest / levels;
+    const float inverse = tiny ? 0.0f : levels / largest;
     scales[b] = scale;
     for (int64_t i = 0; i < len; ++i) {
       const float rounded = round_even(v[i] * inverse);
       q[i] = int8_t(rounded);
       if (kept != nullptr) kept[i] = v[i] - rounded * scale;
     }
-    const int64_t room = std::min<int64_t>(kInt8Block, layout.n - lo);
-    if (room > len) std::memset(q + len, 0, size_t(room - len));
+    put_block_values(out, layout, b, q, room);
   }
 }
 
-void dequantize_sum_int8_portable(float* dst, const void* const* srcs, int nsrc,
-                                  const Int8Layout& layout, int64_t count, int64_t first,
-                                  int64_t end) {
+void dequantize_sum_blocks_portable(float* dst, const void* const* srcs, int nsrc,
+                                    const BlockLayout& layout, int64_t count, int64_t first,
+                                    int64_t end) {
+  int8_t room[kBlock];
   for (int64_t b = first; b < end; ++b) {
-    const int64_t lo = b * kInt8Block;
-    const int64_t len = std::clamp<int64_t>(count - lo, 0, kInt8Block);
+    const int64_t lo = b * kBlock;
+    const int64_t len = std::clamp<int64_t>(count - lo, 0, kBlock);
     for (int k = 0; k < nsrc; ++k) {
       const float scale = static_cast<const float*>(srcs[k])[b];
-      const auto* q = reinterpret_cast<const int8_t*>(static_cast<const char*>(srcs[k]) +
-                                                      layout.values_offset()) +
-                      lo;
-      float* d = dst + (lo - first * kInt8Block);
+      const int8_t* q = block_values(srcs[k], layout, b, len, room);
+      float* d = dst + (lo - first * kBlock);
       if (k == 0) {
         for (int64_t i = 0; i < len; ++i) d[i] = float(q[i]) * scale;
       } else {
