@@ -21,10 +21,10 @@ In detail: one in-place sum of a float32 tensor of each of --sizes (bytes; K, M,
 rank, made once per size with ddpx._ext.extension().arena_empty: the ranks read each other's
 tensors where they lie, copying nothing in or out; the check copies its random inputs in and the
 sum out, and a call that the engine does not count as zero-copy, in the check or the timing, stops
-the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), `ddpx-int8` (the
-fused hook's compression="int8" all-reduce, as on a bucket's first step, with no residual yet: int8
-between nodes, float32 within one; of an arena tensor, as the hook's buckets lie, where the arena
-works), the peers
+the run), `ddpx-fp16` and `ddpx-bf16` (ddpx.all_reduce with that compression), `ddpx-int8` and
+`ddpx-int4` (the fused hook's compression="int8" and "int4" all-reduce, as on a bucket's first step,
+with no residual yet: block-scaled integers between nodes, float32 within one; of an arena tensor,
+as the hook's buckets lie, where the arena works), the peers
 `mpi` (OpenMPI's MPI_Allreduce through mpi4py, in place on the tensor's own memory) and
 `deepspeed` (DeepSpeed's CPU shared-memory all-reduce, the op deepspeed.comm calls for
 inference_all_reduce, called directly; its first use compiles it, about a minute, into
@@ -76,7 +76,7 @@ import torch.distributed as dist
 import ddpx
 from ddpx._cross_node import cross_chunk_bytes
 from ddpx._ext import extension
-from ddpx.engine import engine_for
+from ddpx.engine import engine_for, wire_dtype
 from ddpx_bench import costmodel
 from ddpx_bench.common import (
     MPI_WORKDIR,
@@ -123,8 +123,8 @@ SCHEDULES = {
 }
 # ddpx's all-reduce of a tensor that lies in ddpx's arena on every rank: the zero-copy path.
 ARENA = "ddpx-arena"
-ENGINES = ("gloo", "ddpx", ARENA, "ddpx-fp16", "ddpx-bf16", "ddpx-int8", "mpi", "deepspeed",
-           "copy", *SCHEDULES)
+ENGINES = ("gloo", "ddpx", ARENA, "ddpx-fp16", "ddpx-bf16", "ddpx-int8", "ddpx-int4", "mpi",
+           "deepspeed", "copy", *SCHEDULES)
 PEERS_INSTALL = 'pip install -e ".[peers]"'
 # Set by ddpx-bench for the ranks it starts, once it has built DeepSpeed's op: "" when it built,
 # else why not (so that no rank builds it again).
@@ -189,10 +189,11 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
                 setattr(engine_for(group), attribute, value)
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
-        elif WIRE[name] == "int8":
+        elif WIRE[name] in ("int8", "int4"):
             # The hook's buckets lie in the arena: so does this engine's tensor, where it can.
-            engine, _ = _arena_engine(_int8_all_reduce)
-            add_if_it_works(engines, name, engine or _int8_all_reduce, left_out)
+            quantized = functools.partial(_quantized_all_reduce, wire=WIRE[name])
+            engine, _ = _arena_engine(quantized)
+            add_if_it_works(engines, name, engine or quantized, left_out)
         else:
             add_if_it_works(
                 engines, name, functools.partial(ddpx.all_reduce, compression=WIRE[name]), left_out
@@ -200,10 +201,10 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
     return engines
 
 
-def _int8_all_reduce(tensor: torch.Tensor) -> None:
-    """The hook's int8 all-reduce on the world's engine, as on a bucket's first step (no
-    residual yet): ddpx.all_reduce has no int8, which needs the hook's error feedback."""
-    engine_for().run(tensor, 1.0, torch.int8, "ddpx-bench int8 all-reduce")
+def _quantized_all_reduce(tensor: torch.Tensor, wire: str) -> None:
+    """The hook's int8 (int4) all-reduce on the world's engine, as on a bucket's first step (no
+    residual yet): ddpx.all_reduce has neither, which need the hook's error feedback."""
+    engine_for().run(tensor, 1.0, wire_dtype(wire), f"ddpx-bench {wire} all-reduce")
 
 
 def _mpi_engine():
@@ -508,10 +509,10 @@ def add_model(rows: list[dict]) -> None:
 
 
 def _wire_bytes(engine: str) -> float:
-    """Bytes per element an engine sends: int8's byte and a float32 scale per 64 values, 2 with
-    the 16-bit compressions, else float32's 4."""
+    """Bytes per element an engine sends: int8's byte (int4's half) and a float32 scale per 64
+    values, 2 with the 16-bit compressions, else float32's 4."""
     wire = WIRE.get(engine)
-    return 1 + 4 / 64 if wire == "int8" else 2 if wire else 4
+    return {"int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}.get(wire, 2 if wire else 4)
 
 
 def _megabytes(row: dict) -> str:

@@ -27,6 +27,7 @@ WIRE = {
     "ddpx-fp16": "fp16",
     "ddpx-bf16": "bf16",
     "ddpx-int8": "int8",
+    "ddpx-int4": "int4",
     "ddpx-oneshot": None,
     "ddpx-timed": None,
     "ddpx-wide": None,
@@ -44,8 +45,9 @@ WIRE = {
     "torch-fp16": "fp16",
     "torch-bf16": "bf16",
 }
-# Block-scaled int8: each value rounded to within half a step of max|block| / 127.
-UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8, "int8": 2.0**-7}
+# Block-scaled int8 (int4): each value rounded to within half a step of max|block| / 127 (/ 7).
+UNIT_ROUNDOFF = {None: 2.0**-24, "fp16": 2.0**-11, "bf16": 2.0**-8, "int8": 2.0**-7,
+                 "int4": 2.0**-3}
 # Set by ddpx-bench for the ranks it starts with mpirun: their temporary folder (the FileStore's).
 MPI_WORKDIR = "DDPX_BENCH_MPI_WORKDIR"
 

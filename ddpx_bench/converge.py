@@ -10,10 +10,10 @@ A few minutes on 2 cores at the defaults (4 ranks, the 2M-parameter MLP, 200 ste
     ddpx-bench converge --link 1gbit --model gpt --plot bench_out/converge-gpt.png
 
 In detail: for each --comm_hooks entry (the hooks of `ddpx-bench train`, `powersgd` for both
-PowerSGD ranks; by default DDP's default, torch's bf16 and PowerSGD hooks, ddpx's float32, bf16
-and int8 and `none`), a DDP copy of the same initial model (--seed) makes --steps optimizer steps,
-each on a batch that depends only on the seed, the rank and the step, so every hook sees the same
-batches in the same order:
+PowerSGD ranks; by default DDP's default, torch's bf16 and PowerSGD hooks, ddpx's float32, bf16,
+int8 and int4, and `none`), a DDP copy of the same initial model (--seed) makes --steps optimizer
+steps, each on a batch that depends only on the seed, the rank and the step, so every hook sees
+the same batches in the same order:
 
 - --model mlp (ddpx_bench.models.MLP of --params parameters): regression, mean squared error, onto
   a fixed random teacher, two Linear layers with a ReLU between (made from --seed), whose outputs
@@ -60,7 +60,8 @@ from ddpx_bench.report import format_table, save_figure, tcp_line, world_size_pa
 from ddpx_bench.train import COMM_HOOKS, HOOK_SHORTHANDS, check_step, hooked_models
 
 # The hooks the issue compares, --comm_hooks' default as typed.
-DEFAULT_HOOKS = ("default", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "none")
+DEFAULT_HOOKS = ("default", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "ddpx-int4",
+                 "none")
 # The final loss is the mean over this many last steps.
 FINAL_STEPS = 10
 # Each rank evaluates the final parameters on this many batches of its own that no step drew.

@@ -18,11 +18,12 @@ bf16_compress_hook; DDP registers a hook of the latter's name only with NCCL, so
 through a wrapper, and left out where the backend does not sum bfloat16), `powersgd-r1` and
 `powersgd-r4` (`powersgd`: both; torch's powerSGD_hook of matrix_approximation_rank 1 and 4, with
 its error feedback and warm start, compressing from the third step on, which the default --warmup
-leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16`, `ddpx-int8` (ddpx.register_fused_hook; left out
-where this ddpx lacks the compression), `ddpx+step`, `ddpx-bf16+step`, `ddpx-int8+step` (the same,
-with register_fused_hook(optimizer=...): across nodes the SGD step of each bucket's parameters taken
-in flight, once that bucket is reduced; `steps` for the three), `backend` and `backend-mem` (DDP's
-own all-reduce, no hook, on a group of every rank made with ddpx's backend, each with its own;
+leaves untimed), `ddpx`, `ddpx-fp16`, `ddpx-bf16`, `ddpx-int8`, `ddpx-int4`
+(ddpx.register_fused_hook; left out where this ddpx lacks the compression), `ddpx+step`,
+`ddpx-bf16+step`, `ddpx-int8+step`, `ddpx-int4+step` (the same, with
+register_fused_hook(optimizer=...): across nodes the SGD step of each bucket's parameters taken in
+flight, once that bucket is reduced; `steps` for the four), `backend` and `backend-mem` (DDP's own
+all-reduce, no hook, on a group of every rank made with ddpx's backend, each with its own;
 gradient_as_bucket_view, so each .grad is a view of its bucket: `backend` with
 DDP_DISABLE_COMM_MEM=1, the buckets in ordinary memory, which ddpx copies in and out of its buffers;
 `backend-mem` with DDP_DISABLE_COMM_MEM=0, the buckets in ddpx's arena, which it reduces where they
@@ -90,9 +91,11 @@ from ddpx_bench.report import (
 
 # A ddpx hook's name with this after it: the optimizer steps each bucket in flight.
 IN_FLIGHT = "+step"
-STEPPED_IN_FLIGHT = tuple(f"{hook}{IN_FLIGHT}" for hook in ("ddpx", "ddpx-bf16", "ddpx-int8"))
+STEPPED_IN_FLIGHT = tuple(f"{hook}{IN_FLIGHT}"
+                          for hook in ("ddpx", "ddpx-bf16", "ddpx-int8", "ddpx-int4"))
 COMM_HOOKS = ("default", "fp16", "bf16", "powersgd-r1", "powersgd-r4", "ddpx", "ddpx-fp16",
-              "ddpx-bf16", "ddpx-int8", *STEPPED_IN_FLIGHT, "backend", "backend-mem", "none")
+              "ddpx-bf16", "ddpx-int8", "ddpx-int4", *STEPPED_IN_FLIGHT, "backend", "backend-mem",
+              "none")
 # What --comm_hooks takes for several hooks.
 HOOK_SHORTHANDS = {"powersgd": ("powersgd-r1", "powersgd-r4"), "steps": STEPPED_IN_FLIGHT}
 # torch's PowerSGD: hook name -> matrix_approximation_rank.

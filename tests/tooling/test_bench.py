@@ -758,8 +758,8 @@ def test_the_console_entry_is_the_clis_main():
 
 
 def test_train(tmp_path):
-    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "ddpx+step",
-             "backend", "backend-mem", "none"]
+    typed = ["default", "fp16", "bf16", "powersgd", "ddpx", "ddpx-bf16", "ddpx-int8", "ddpx-int4",
+             "ddpx+step", "backend", "backend-mem", "none"]
     hooks = [*typed[:3], "powersgd-r1", "powersgd-r4", *typed[4:]]
     # 400K parameters: two buckets once DDP has rebuilt them, whose PowerSGD all-reduces race on
     # gloo unless a bucket waits for the one before; PowerSGD compresses the last two steps.
@@ -827,10 +827,10 @@ def test_powersgd_stands_for_both_ranks_where_it_is_typed():
         "default", "powersgd-r1", "powersgd-r4", "none"]
     assert hooks("train", "--comm_hooks", "powersgd-r4,powersgd") == ["powersgd-r4", "powersgd-r1"]
     assert hooks("train", "--comm_hooks", "ddpx,steps") == [
-        "ddpx", "ddpx+step", "ddpx-bf16+step", "ddpx-int8+step"]
+        "ddpx", "ddpx+step", "ddpx-bf16+step", "ddpx-int8+step", "ddpx-int4+step"]
     assert hooks("converge") == ["default", "bf16", "powersgd-r1", "powersgd-r4", "ddpx",
-                                 "ddpx-bf16", "ddpx-int8", "none"]
-    assert {"powersgd-r1", "powersgd-r4", "ddpx-int8"} <= set(hooks("train"))
+                                 "ddpx-bf16", "ddpx-int8", "ddpx-int4", "none"]
+    assert {"powersgd-r1", "powersgd-r4", "ddpx-int8", "ddpx-int4"} <= set(hooks("train"))
     with pytest.raises(SystemExit):
         cli.parse_args(["train", "--comm_hooks", "powersgd-r2"])
 
