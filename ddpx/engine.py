@@ -24,7 +24,7 @@ from ddpx._setup import create_cpu_engine
 from ddpx._timeouts import group_with_timeout
 
 __all__ = ["all_reduce", "checked_device", "checked_timeout", "engine_for", "flight_record",
-           "wire_dtype"]
+           "wire_dtype", "wire_name"]
 
 _COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -51,15 +51,19 @@ def wire_dtype(compression: str | torch.dtype | None) -> torch.dtype | None:
     return _COMPRESSION[compression]
 
 
+def wire_name(wire: torch.dtype) -> str:
+    """torch's name of a wire dtype, as a user writes it for ``compression`` ("int8")."""
+    return str(wire).removeprefix("torch.")
+
+
 def _all_reduce_wire(compression) -> torch.dtype | None:
     """``wire_dtype`` for ddpx.all_reduce, which has no int8 or int4: only the hook keeps the
     error feedback that they need."""
     wire = None if compression is None else wire_dtype(compression)
     if wire in QUANTIZED:
-        name = str(wire).removeprefix("torch.")
-        raise ValueError(f"ddpx.all_reduce: compression='{name}' needs error feedback, which "
-                         "ddpx.register_fused_hook keeps per gradient bucket; all-reduce with "
-                         "compression='bf16' here, or none")
+        raise ValueError(f"ddpx.all_reduce: compression='{wire_name(wire)}' needs error feedback, "
+                         "which ddpx.register_fused_hook keeps per gradient bucket; all-reduce "
+                         "with compression='bf16' here, or none")
     return wire
 
 

@@ -12,7 +12,14 @@ from ddpx import settings
 from ddpx._bucket_steps import BucketSteps, checked_optimizer
 from ddpx._ext import extension
 from ddpx._groups import ddpx_backend, resolve_group
-from ddpx.engine import QUANTIZED, checked_device, checked_timeout, engine_for, wire_dtype
+from ddpx.engine import (
+    QUANTIZED,
+    checked_device,
+    checked_timeout,
+    engine_for,
+    wire_dtype,
+    wire_name,
+)
 
 __all__ = ["FusedHookState", "fused_allreduce_hook", "register_fused_hook"]
 
@@ -90,7 +97,7 @@ class FusedHookState:
         """One line: which path reduces the buckets, their wire dtype, and whether they are
         zero-copy (and if not, why); ``details=True`` adds the engine's settings."""
         engine = self.engine
-        wire = str(self.wire).removeprefix("torch.") if self.wire is not None else "no compression"
+        wire = wire_name(self.wire) if self.wire is not None else "no compression"
         if self.wire in QUANTIZED:
             wire = f"{wire} between nodes with error feedback, uncompressed within a node"
         if isinstance(engine, extension().ShmEngine):
@@ -138,7 +145,7 @@ def fused_allreduce_hook(
         >>> ddp_model.register_comm_hook(state, ddpx.fused_allreduce_hook)
     """
     if state.wire in QUANTIZED:
-        name = str(state.wire).removeprefix("torch.")
+        name = wire_name(state.wire)
         raise ValueError(f"ddpx: compression='{name}' keeps error feedback per gradient bucket, "
                          f"which ddpx.register_fused_hook(model, compression='{name}') registers; "
                          "this Python hook takes compression None, 'bf16' or 'fp16'")

@@ -164,6 +164,7 @@ def _set_congestion(namespaces: list[str], congestion: str) -> None:
     # is widened while the namespaces take their setting and then put back, under a lock that
     # keeps testbeds made at once from putting it back under each other.
     allowed_path = _PROC_TCP / "tcp_allowed_congestion_control"
+    setting = _PROC_TCP / "tcp_congestion_control"
     with allowed_path.open() as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         allowed = allowed_path.read_text().split()
@@ -172,7 +173,6 @@ def _set_congestion(namespaces: list[str], congestion: str) -> None:
             allowed_path.write_text(" ".join([*allowed, congestion]))
         try:
             for namespace in namespaces:
-                setting = _PROC_TCP / "tcp_congestion_control"
                 done = subprocess.run(["ip", "netns", "exec", namespace, "sh", "-c",
                                        f'echo "$1" > {setting} && cat {setting}', "sh",
                                        congestion], capture_output=True, text=True)
