@@ -175,6 +175,47 @@ def cpu_ticks() -> tuple[int, int, int]:
     return busy + idle + iowait, busy, softirq
 
 
+# Whose a rank's thread is, by its name (the 15 characters Linux keeps): ddpx names its threads
+# "ddpx ..." (csrc/common/thread_name.h), gloo its transport's gloo_... and pt_gloo_...; the rest
+# are the rank's own (its main thread, torch's and OpenMP's).
+THREAD_KINDS = ("rank", "ddpx", "gloo")
+
+
+def _thread_kind(name: str) -> str:
+    if name.startswith("ddpx "):
+        return "ddpx"
+    return "gloo" if name.startswith(("gloo", "pt_gloo")) else "rank"
+
+
+def thread_times() -> dict[int, tuple[str, int]]:
+    """This process's threads so far: thread id -> (its kind of THREAD_KINDS, its nanoseconds on
+    a core, the kernel's for it included), from /proc/self/task/<tid>/schedstat; empty where
+    there is none."""
+    times = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm, \
+                    open(f"/proc/self/task/{tid}/schedstat") as schedstat:
+                times[int(tid)] = (_thread_kind(comm.read().strip()),
+                                   int(schedstat.read().split()[0]))
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return times
+
+
+def thread_seconds(before: dict, after: dict) -> list[float]:
+    """The CPU seconds each kind of THREAD_KINDS spent between two thread_times: a thread that
+    began in between counts from zero, one that ended in between is left out."""
+    spent = dict.fromkeys(THREAD_KINDS, 0)
+    for tid, (kind, ns) in after.items():
+        spent[kind] += ns - before.get(tid, (kind, 0))[1]
+    return [spent[kind] / 1e9 for kind in THREAD_KINDS]
+
+
 def cpu_share(all_ticks: int, busy: int, softirq: int) -> dict:
     """How busy the cores were: busy and softirq time as fractions of all of it (None: no
     ticks, as without /proc/stat). A fraction near 1 means the cores, not the link or memory,
@@ -207,8 +248,8 @@ def steps_in_turns(steps: dict, indices: range, cell: str, device: torch.device 
     this rank's seconds for each step (slowest_rank_stats makes them the slowest rank's). A step
     begins after a barrier; on a GPU `device`, it is timed from idle to done on the device.
     `traffic` (link_traffic's, on the testbed) counts the node's bytes through each step; `cpu`,
-    where given, gets name -> the machine's cpu_ticks spent in each step, up to the barrier that
-    ends it on every rank."""
+    where given, gets name -> for each step, the machine's cpu_ticks spent in it, up to the
+    barrier that ends it on every rank, and then this rank's thread_seconds through it."""
     samples = {name: [] for name in steps}
     started = time.perf_counter()
     for index in indices:
@@ -229,6 +270,7 @@ def _timed_step(step, index: int, device: torch.device | None, traffic: "LinkTra
         dist.barrier()
     before = traffic.counters() if traffic is not None else None
     ticks = cpu_ticks() if cpu is not None else None
+    threads = thread_times() if cpu is not None else None
     start = time.perf_counter()
     step(index)
     _synchronize(device)
@@ -240,7 +282,8 @@ def _timed_step(step, index: int, device: torch.device | None, traffic: "LinkTra
     if traffic is not None:
         traffic.add(name, before, traffic.counters())
     if cpu is not None:
-        cpu.setdefault(name, []).append([b - a for a, b in zip(ticks, cpu_ticks(), strict=True)])
+        spent = [b - a for a, b in zip(ticks, cpu_ticks(), strict=True)]
+        cpu.setdefault(name, []).append([*spent, *thread_seconds(threads, thread_times())])
     return seconds
 
 

@@ -45,7 +45,12 @@ local rank 0 reads its interface's byte counters around each step (from the barr
 after it): link MB/step is what a node sent per timed step, the mean over the steps and the nodes,
 and bytes vs fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its
 step went beyond `none`'s: its engine's thread on node work (sums, hand-outs), waiting for the link,
-and (the `+step` hooks) on the optimizer's steps it took up before those waits.
+and (the `+step` hooks) on the optimizer's steps it took up before those waits. CPU ms/step is
+the CPU time a timed step took on every rank's threads (from each thread's schedstat, read after
+the barrier that starts the step and after one that ends it), summed over the ranks, the mean over
+the steps, and split by whose threads they are: the ranks' own (the main thread, torch's), ddpx's
+(named "ddpx ..."), gloo's. Where none's steps already keep the cores busy, a hook's step over
+none's is at least about its CPU over none's; beyond that, its ranks waited.
 """
 
 import copy
@@ -62,6 +67,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpx
 from ddpx._ext import extension
 from ddpx_bench.common import (
+    THREAD_KINDS,
     UNIT_ROUNDOFF,
     WIRE,
     cpu_share,
@@ -136,7 +142,8 @@ def bench_train(args) -> dict:
     rows = _train_rows(initial, models, samples, args, failures)
     for row in rows:
         spent = [sum(column) for column in zip(*cpu[row["hook"]][args.warmup:], strict=True)]
-        row.update(cpu_share(*spent))
+        row.update(cpu_share(*spent[:3]))
+        row.update(_thread_cpu(spent[3:], args.steps))
     if traffic is not None:
         _add_link_bytes(rows, traffic, args.warmup)
     engine_times.add_to(rows, args.warmup)
@@ -145,6 +152,16 @@ def bench_train(args) -> dict:
         trace(models, _train_batches(initial, args), args.trace)
         notes.append(f"trace: one more step of each hook, rank 0's, in {args.trace}")
     return {"rows": rows, "left_out": left_out, "notes": notes, "failures": failures}
+
+
+def _thread_cpu(seconds: list[float], steps: int) -> dict:
+    """cpu_<kind>_ms for each kind of THREAD_KINDS, and cpu_ms, their sum: the CPU time a timed
+    step took on every rank's threads of that kind, summed over the ranks, the mean over the
+    steps."""
+    per_step = torch.tensor(seconds, dtype=torch.float64) * (1e3 / steps)
+    dist.all_reduce(per_step)
+    ms = dict(zip(THREAD_KINDS, per_step.tolist(), strict=True))
+    return {**{f"cpu_{kind}_ms": ms[kind] for kind in THREAD_KINDS}, "cpu_ms": sum(ms.values())}
 
 
 def trace(models: dict, batches: list[torch.Tensor], path: str) -> None:
@@ -574,6 +591,7 @@ class Train(Mode):
              "-" if row["tolerance"] is None else f"{row['tolerance']:.2e}"),
             *(link if any("link_bytes_per_step" in row for row in rows) else []),
             ("CPU busy/si %", ">13", format_cpu),
+            ("CPU ms/step", ">11", lambda row: f"{row['cpu_ms']:.0f}"),
             ("path", "", lambda row: row["describe"] + (
                 f"; {row['zero_copy_calls']} of {row['all_reduces']} all-reduces zero-copy"
                 if "zero_copy_calls" in row else "")),
@@ -601,6 +619,15 @@ class Train(Mode):
                     f"on node work, {row['engine_link_wait_ms']:.0f} ms waiting for the link"
                     f"{steps} (median step, slowest rank)")
         lines.append(cpu_note("the hook's timed steps"))
+        lines.append("CPU ms/step: what a timed step took on a core, every rank's threads summed "
+                     "(/proc/self/task/*/schedstat), the mean over the steps; by whose threads:")
+        floor_cpu = next((row["cpu_ms"] for row in rows if row["hook"] == "none"), None)
+        for row in rows:
+            versus = f" = {row['cpu_ms'] / floor_cpu:.2f}x none's" if floor_cpu else ""
+            lines.append(
+                f"  {row['hook']}: {row['cpu_ms']:.0f} ms{versus}: the ranks' own threads "
+                f"{row['cpu_rank_ms']:.0f}, ddpx's {row['cpu_ddpx_ms']:.0f}, gloo's "
+                f"{row['cpu_gloo_ms']:.0f}")
         if any("link_bytes_per_step" in row for row in rows):
             lines.append("link MB/step: what a node sent per timed step (its interface's tx "
                          "counter, headers and ACKs included), mean over the steps and the "

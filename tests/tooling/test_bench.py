@@ -797,7 +797,15 @@ def test_train(tmp_path):
     # steps this short is possible): a fraction busy, of which softirq is a part.
     assert all(row["cpu_busy"] is None or 0 <= row["cpu_softirq"] <= row["cpu_busy"] <= 1
                for row in rows.values()), [(r["cpu_busy"], r["cpu_softirq"]) for r in rows.values()]
-    assert re.search(r" powersgd-r1 .* - +\d+/\d+ +torch powerSGD_hook, rank 1,", stdout), stdout
+    assert re.search(r" powersgd-r1 .* - +\d+/\d+ +\d+ +torch powerSGD_hook, rank 1,",
+                     stdout), stdout
+    # Each step's CPU on every rank's threads, by whose: the ranks' own run every step.
+    for row in rows.values():
+        parts = [row[f"cpu_{kind}_ms"] for kind in ("rank", "ddpx", "gloo")]
+        assert row["cpu_rank_ms"] > 0 and min(parts) >= 0, row
+        assert row["cpu_ms"] == pytest.approx(sum(parts)), row
+        assert re.search(rf"^  {re.escape(row['hook'])}: \d+ ms = \d+\.\d\dx none's: the ranks' "
+                         rf"own threads \d+, ddpx's \d+, gloo's \d+$", stdout, re.M), stdout
     if ddpx_backend_registered():
         # DDP's own all-reduce on ddpx's backend: its buckets in ordinary memory, none of its
         # all-reduces zero-copy; in ddpx's arena, some (the first on a new bucket maps it).
@@ -815,6 +823,42 @@ def test_train(tmp_path):
             step = steps[hook]
             assert any(e["name"] == "ddpx::fused_hook"
                        and step["ts"] <= e["ts"] <= step["ts"] + step["dur"] for e in events), hook
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_thread_seconds_count_a_threads_cpu_under_whose_it_is_by_its_name():
+    """A thread named as ddpx names its threads spends its CPU under ddpx's, as much of it as
+    the thread's own clock (time.thread_time, the same count) says; the kinds follow the names."""
+    import ctypes
+    import threading
+
+    from ddpx_bench import common
+
+    assert [common._thread_kind(name) for name in (
+        "ddpx engine", "ddpx link", "gloo_tcp_loop", "pt_gloo_runloop", "python3", "ddpxish")] == [
+        "ddpx", "ddpx", "gloo", "gloo", "rank", "rank"]
+    burnt, done, release = {}, threading.Event(), threading.Event()
+
+    def burn():
+        ctypes.CDLL(None).prctl(15, b"ddpx burner", 0, 0, 0)  # PR_SET_NAME
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+        burnt["s"] = time.thread_time()
+        done.set()
+        release.wait()
+
+    before = common.thread_times()
+    burner = threading.Thread(target=burn)
+    burner.start()
+    done.wait(timeout=60)
+    after = common.thread_times()
+    release.set()
+    burner.join()
+    rank, ddpx, _ = common.thread_seconds(before, after)
+    # From the thread's start to its event: its naming before the clock, its set() after it.
+    assert burnt["s"] <= ddpx <= burnt["s"] + 0.05, (burnt, ddpx)
+    assert rank >= 0
 
 
 def test_powersgd_stands_for_both_ranks_where_it_is_typed():
