@@ -76,7 +76,7 @@ import torch.distributed as dist
 import ddpx
 from ddpx._cross_node import cross_chunk_bytes
 from ddpx._ext import extension
-from ddpx.engine import engine_for, wire_dtype
+from ddpx.engine import QUANTIZED, engine_for, wire_dtype
 from ddpx_bench import costmodel
 from ddpx_bench.common import (
     MPI_WORKDIR,
@@ -189,7 +189,7 @@ def _allreduce_engines(requested: list[str], left_out: dict, nodes: int) -> dict
                 setattr(engine_for(group), attribute, value)
             add_if_it_works(engines, name, functools.partial(ddpx.all_reduce, group=group),
                             left_out)
-        elif WIRE[name] in ("int8", "int4"):
+        elif wire_dtype(WIRE[name]) in QUANTIZED:
             # The hook's buckets lie in the arena: so does this engine's tensor, where it can.
             quantized = functools.partial(_quantized_all_reduce, wire=WIRE[name])
             engine, _ = _arena_engine(quantized)
