@@ -43,18 +43,23 @@ is not a rounding of the gradients. Parameters that differ across ranks, or from
 the tolerance, make the run exit with status 1 after the table. On the testbed (--link), each node's
 local rank 0 reads its interface's byte counters around each step (from the barrier before it to one
 after it): link MB/step is what a node sent per timed step, the mean over the steps and the nodes,
-and bytes vs fp32 that over the `ddpx` hook's. Across nodes each ddpx hook's line says where its
-step went beyond `none`'s: its engine's thread on node work (sums, hand-outs), waiting for the link,
-and (the `+step` hooks) on the optimizer's steps it took up before those waits. CPU ms/step is
-the CPU time a timed step took on every rank's threads (from each thread's schedstat, read after
-the barrier that starts the step and after one that ends it), summed over the ranks, the mean over
-the steps, and split by whose threads they are: the ranks' own (the main thread, torch's), ddpx's
-(named "ddpx ..."), gloo's. Where none's steps already keep the cores busy, a hook's step over
-none's is at least about its CPU over none's; beyond that, its ranks waited.
+and bytes vs fp32 that over the `ddpx` hook's; S/R those bytes at the link's rate (tbf counts the
+same bytes), the least time the link takes to carry them. No hook has anything to send before DDP
+hands it the step's first bucket, which comes F ms into none's step (on the slowest rank, after
+the forward and the last layers' backward): F + S/R is the least a hook's step can take on that
+link, said under the table beside the step measured. Across nodes each ddpx hook's line says where
+its step went beyond `none`'s: its engine's thread on node work (sums, hand-outs), waiting for the
+link, and (the `+step` hooks) on the optimizer's steps it took up before those waits. CPU ms/step is
+the CPU time a timed step took on every rank's threads (from each thread's schedstat, read after the
+barrier that starts the step and after one that ends it), summed over the ranks, the mean over the
+steps, and split by whose threads they are: the ranks' own (the main thread, torch's), ddpx's (named
+"ddpx ..."), gloo's. Where none's steps already keep the cores busy, a hook's step over none's is at
+least about its CPU over none's; beyond that, its ranks waited.
 """
 
 import copy
 import functools
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -133,12 +138,13 @@ def bench_train(args) -> dict:
     left_out, failures = {}, []
     torch.manual_seed(args.seed)
     initial = (GPT if args.model == "gpt" else MLP).with_params(args.params)
-    models = hooked_models(initial, args.comm_hooks, left_out, sgd(args.lr))
+    first_bucket = FirstBucket()
+    models = hooked_models(initial, args.comm_hooks, left_out, sgd(args.lr), first_bucket)
     traffic = link_traffic()
     engine_times = EngineTimes(models)
     cpu = {}
     samples = timed_steps(models, _train_batches(initial, args), args.warmup, args.steps, traffic,
-                          engine_times, cpu)
+                          (engine_times, first_bucket), cpu)
     rows = _train_rows(initial, models, samples, args, failures)
     for row in rows:
         spent = [sum(column) for column in zip(*cpu[row["hook"]][args.warmup:], strict=True)]
@@ -147,6 +153,7 @@ def bench_train(args) -> dict:
     if traffic is not None:
         _add_link_bytes(rows, traffic, args.warmup)
     engine_times.add_to(rows, args.warmup)
+    first_bucket.add_to(rows, args.warmup)
     notes = []
     if args.trace:
         trace(models, _train_batches(initial, args), args.trace)
@@ -232,10 +239,46 @@ class EngineTimes:
             row["engine_node_ms"], row["engine_link_wait_ms"], row["engine_idle_ms"] = mine.tolist()
 
 
+class FirstBucket:
+    """When in each step DDP handed the floor's hook (`none`) its first bucket, from the step's
+    start: the forward and the backward of the last layers, before which no hook has anything to
+    send. The `none` hook's state."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.seconds: list[float] = []
+
+    def timing(self, name: str, step):
+        """`step` (of hook `name`), its start noted where the hook is `none`."""
+        if name != "none":
+            return step
+
+        def timed(index: int) -> None:
+            self.start = time.perf_counter()
+            step(index)
+        return timed
+
+    def handed(self) -> None:
+        """DDP handed the hook a bucket: the step's first, unless one came since its start."""
+        if self.start is not None:
+            self.seconds.append(time.perf_counter() - self.start)
+            self.start = None
+
+    def add_to(self, rows: list[dict], warmup: int) -> None:
+        """first_bucket_ms on none's row: the median over the timed steps of the slowest rank's."""
+        for row in rows:
+            if row["hook"] == "none":
+                seconds = torch.tensor(self.seconds[warmup:], dtype=torch.float64)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                row["first_bucket_ms"] = seconds.median().item() * 1e3
+
+
 def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict,
-                  optimizer: Callable[[DDP], torch.optim.Optimizer]) -> dict:
-    """A DDP copy of `initial` (on its device) per hook that works here, with its `optimizer`:
-    name -> Hooked. tools/gpu_report.py uses it too."""
+                  optimizer: Callable[[DDP], torch.optim.Optimizer],
+                  first_bucket: FirstBucket | None = None) -> dict:
+    """A DDP copy of `initial` (on its device) per hook that works here, with its `optimizer`
+    (and `none`'s hook telling `first_bucket` when its buckets come): name -> Hooked.
+    tools/gpu_report.py uses it too."""
     device = next(initial.parameters()).device
     models = {}
     for name in hooks:
@@ -250,7 +293,8 @@ def hooked_models(initial: torch.nn.Module, hooks: list[str], left_out: dict,
                     device_ids=[device.index] if device.type == "cuda" else None)
         stepper = optimizer(model)
         try:
-            models[name] = Hooked(model, _register_hook(name, model, stepper), stepper)
+            models[name] = Hooked(model, _register_hook(name, model, stepper, first_bucket),
+                                  stepper)
         # NotImplementedError: a ddpx compression not built yet, or a backend that cannot
         # all-reduce bfloat16; TypeError: DDP refuses a hook.
         except (NotImplementedError, TypeError) as exc:
@@ -315,30 +359,31 @@ def _backend_model(initial: torch.nn.Module, comm_memory: bool):
 
 
 def timed_steps(models: dict, batches: list[torch.Tensor], warmup: int, steps: int,
-                traffic=None, engine_times: EngineTimes | None = None,
-                cpu: dict | None = None) -> dict:
+                traffic=None, timings: tuple = (), cpu: dict | None = None) -> dict:
     """`warmup` + `steps` steps of every model (hooked_models') with its optimizer in turn, on
     `batches` in rotation: name -> this rank's seconds for each step after the warm-up
     (slowest_rank_stats makes them the slowest rank's); `traffic` (common.link_traffic's) counts
-    each step's bytes on the link, `engine_times` where a ddpx engine's time went, `cpu` the
+    each step's bytes on the link, `timings` (EngineTimes, FirstBucket) time each step's
+    parts, `cpu` the
     machine's CPU time in each step, warm-up included (steps_in_turns). tools/gpu_report.py uses it
     too."""
     steps_of = {name: functools.partial(_step, model, optimizer, batches)
                 for name, (model, _, optimizer) in models.items()}
-    if engine_times is not None:
-        steps_of = {name: engine_times.timing(name, step) for name, step in steps_of.items()}
+    for timing in timings:
+        steps_of = {name: timing.timing(name, step) for name, step in steps_of.items()}
     samples = steps_in_turns(steps_of, range(warmup + steps), f"world {dist.get_world_size()}",
                              batches[0].device, traffic, cpu)
     return {name: seconds[warmup:] for name, seconds in samples.items()}
 
 
-def _register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer) -> str:
+def _register_hook(name: str, model: DDP, optimizer: torch.optim.Optimizer,
+                   first_bucket: FirstBucket | None) -> str:
     """Register the comm hook `name` on `model` (stepping `optimizer` per bucket where the name
-    says so); say what it does."""
+    says so; `none`'s state `first_bucket`); say what it does."""
     if name == "default":
         return "DDP's built-in all-reduce"
     if name == "none":
-        model.register_comm_hook(None, _no_communication_hook)
+        model.register_comm_hook(first_bucket, _no_communication_hook)
         return "no communication (the floor; timed, not checked)"
     if name.startswith("ddpx"):
         in_flight = name.endswith(IN_FLIGHT)
@@ -410,8 +455,11 @@ def _check_bfloat16_all_reduce(device: torch.device) -> None:
             f"into {probe.tolist()}")
 
 
-def _no_communication_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _no_communication_hook(state: FirstBucket | None,
+                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Hands DDP the bucket as it is: each rank steps with its own gradients."""
+    if state is not None:
+        state.handed()
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
@@ -534,6 +582,26 @@ def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
+def least_step_lines(rows: list[dict]) -> list[str]:
+    """Each hook's least step on its link beside its measured step, both against none's."""
+    if not any("least_step_ms" in row for row in rows):
+        return []
+    floors = {(row["link"], row["world_size"]): row for row in rows if row["hook"] == "none"}
+    lines = ["least step: none's first bucket comes F ms into its step (the forward and the "
+             "last layers' backward), before which no hook has anything to send, and then a "
+             "hook's bytes take S/R on the link:"]
+    for row in rows:
+        floor = floors.get((row["link"], row["world_size"]))
+        if "least_step_ms" not in row or row is floor:
+            continue
+        lines.append(
+            f"  {row['hook']} at {row['link']}: {floor['first_bucket_ms']:.0f} + "
+            f"{row['link_floor_ms']:.0f} = {row['least_step_ms']:.0f} ms = "
+            f"{row['least_step_ms'] / floor['median_ms']:.2f}x none's step; measured "
+            f"{row['median_ms'] / floor['median_ms']:.2f}x")
+    return lines
+
+
 class Train(Mode):
     name = "train"
     help = "time DDP training steps"
@@ -563,6 +631,21 @@ class Train(Mode):
     def run(self, args):
         return bench_train(args)
 
+    def add_link_figures(self, rows):
+        """Each row's link floor (link_floor_ms: its bytes on the link at the link's rate, S/R)
+        and the least its step can take (least_step_ms): none's first bucket, then those bytes."""
+        from ddpx_bench.testbed import bits_per_second  # only where --link ran
+
+        first = {(row["link"], row["world_size"]): row["first_bucket_ms"]
+                 for row in rows if row["hook"] == "none"}
+        for row in rows:
+            sent = row.get("link_bytes_per_step")
+            if row["link"] == "none" or sent is None:
+                continue
+            row["link_floor_ms"] = sent * 8 / bits_per_second(row["link"]) * 1e3
+            if (row["link"], row["world_size"]) in first:
+                row["least_step_ms"] = first[row["link"], row["world_size"]] + row["link_floor_ms"]
+
     def table(self, rows: list[dict]) -> list[str]:
         runs = rows[0].get("runs")
         worst = [
@@ -575,6 +658,8 @@ class Train(Mode):
              else f"{row['link_bytes_per_step'] / 1e6:#.3g}"),
             ("bytes vs fp32", ">13", lambda row: "-" if row.get("bytes_vs_fp32") is None
              else f"{row['bytes_vs_fp32']:#.3g}"),
+            ("S/R ms", ">6", lambda row: "-" if row.get("link_floor_ms") is None
+             else f"{row['link_floor_ms']:.0f}"),
         ]
         lines = format_table([
             ("world", ">5", lambda row: row["world_size"]),
@@ -631,7 +716,9 @@ class Train(Mode):
         if any("link_bytes_per_step" in row for row in rows):
             lines.append("link MB/step: what a node sent per timed step (its interface's tx "
                          "counter, headers and ACKs included), mean over the steps and the "
-                         "nodes; bytes vs fp32: / the ddpx hook's")
+                         "nodes; bytes vs fp32: / the ddpx hook's; S/R: those bytes at the "
+                         "link's rate")
+        lines += least_step_lines(rows)
         return lines
 
     def plot(self, rows: list[dict], path: Path) -> None:

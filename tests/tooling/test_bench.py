@@ -552,7 +552,20 @@ def test_train_on_a_shaped_link_counts_what_each_hook_sends(tmp_path):
     assert (rows["powersgd-r1"]["link_bytes_per_step"] < rows["powersgd-r4"]["link_bytes_per_step"]
             < 0.2 * gradients)
     assert rows["none"]["link_bytes_per_step"] < 0.01 * gradients  # the barriers'
-    assert "link MB/step" in stdout and "bytes vs fp32" in stdout
+    assert "link MB/step" in stdout and "bytes vs fp32" in stdout and "S/R ms" in stdout
+    # The link's floor: a node's bytes at tbf's 1 Gbit/s; the least step: none's first bucket,
+    # then those bytes, said beside the step measured, both against none's step.
+    floor = rows["none"]
+    for hook, row in rows.items():
+        assert row["link_floor_ms"] == pytest.approx(row["link_bytes_per_step"] * 8e3 / 1e9)
+        assert row["least_step_ms"] == pytest.approx(floor["first_bucket_ms"]
+                                                     + row["link_floor_ms"])
+        if hook != "none":
+            least = row["least_step_ms"] / floor["median_ms"]
+            measured = row["median_ms"] / floor["median_ms"]
+            assert f"  {hook} at 1gbit: {floor['first_bucket_ms']:.0f} + " \
+                f"{row['link_floor_ms']:.0f} = {row['least_step_ms']:.0f} ms = {least:.2f}x " \
+                f"none's step; measured {measured:.2f}x" in stdout, stdout
 
 
 @pytest.mark.skipif(not ddpx_built() or testbed_unavailable() is not None,
@@ -780,7 +793,10 @@ def test_train(tmp_path):
         assert "link_bytes_per_step" not in row  # off the testbed
         if row["hook"] == "none":  # the floor: timed, not checked
             assert "ranks_identical" not in row and "max_abs_diff" not in row
+            # Each rank's first bucket comes within its step: so does the slowest's median.
+            assert 0 < row["first_bucket_ms"] <= row["median_ms"]
             continue
+        assert "first_bucket_ms" not in row
         assert row["ranks_identical"]
         if row["hook"].startswith("powersgd"):  # not a rounding: a |diff|, no tolerance
             assert row["max_abs_diff"] > 0 and row["tolerance"] is None
