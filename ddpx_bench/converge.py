@@ -136,7 +136,7 @@ class _Teacher:
 
     def __init__(self, mlp: MLP, seed: int):
         width = mlp.width
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + 1)
+        generator = torch.Generator().manual_seed(task_seed(seed))
         self.basis = torch.randn(INPUT_DIMENSIONS, width, generator=generator)
         self.basis /= math.sqrt(INPUT_DIMENSIONS)  # inputs of unit variance
         self.layers = [
@@ -171,7 +171,7 @@ class _MarkovChain:
     SUCCESSOR_PROBABILITIES; the first token uniform."""
 
     def __init__(self, gpt: GPT, seed: int):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + 1)
+        generator = torch.Generator().manual_seed(task_seed(seed))
         self.vocab, self.context = gpt.vocab, gpt.context
         self.successors = torch.randint(self.vocab, (self.vocab, len(SUCCESSOR_PROBABILITIES)),
                                         generator=generator)
@@ -210,8 +210,7 @@ def _learning_rate(args, index: int) -> float:
 def _step(model, optimizer: torch.optim.Optimizer, task, args, batch_size: int,
           losses: list[float], index: int) -> None:
     """Step `index` of `model` on this rank's batch of that step, the same for every hook."""
-    generator = torch.Generator().manual_seed(
-        ((args.seed * 1_000_003 + dist.get_rank()) * 1_000_003 + index) % 2**63)
+    generator = torch.Generator().manual_seed(step_seed(args.seed, dist.get_rank(), index))
     batch = task.batch(generator, batch_size)
     for group in optimizer.param_groups:
         group["lr"] = _learning_rate(args, index)
@@ -223,10 +222,26 @@ def _step(model, optimizer: torch.optim.Optimizer, task, args, batch_size: int,
     losses.append(loss.item())
 
 
+def step_seed(seed: int, rank: int, index: int) -> int:
+    """The seed of the stream rank `rank` draws its batch of step `index` from: below 2**61 for
+    seeds, ranks and steps under 2**20, so below task_seed's and held_out_seed's."""
+    return (seed * 1_000_003 + rank) * 1_000_003 + index
+
+
+def task_seed(seed: int) -> int:
+    """The seed of the stream the task (the teacher, the chain) is made from."""
+    return 2**61 + seed
+
+
+def held_out_seed(seed: int, rank: int) -> int:
+    """The seed of the stream rank `rank` draws its held-out batches from."""
+    return 2**62 + seed * 1_000_003 + rank
+
+
 def _held_out_loss(module: torch.nn.Module, task, seed: int, batch_size: int) -> float:
-    """This rank's mean loss of `module` over HELD_OUT_BATCHES batches from a stream of its own,
-    which no step's seed reaches (those lie below 2**62 for seeds, ranks and steps under 2**20)."""
-    generator = torch.Generator().manual_seed(2**62 + seed * 1_000_003 + dist.get_rank())
+    """This rank's mean loss of `module` over HELD_OUT_BATCHES batches from a stream of its own
+    (held_out_seed), which no step's seed reaches."""
+    generator = torch.Generator().manual_seed(held_out_seed(seed, dist.get_rank()))
     with torch.no_grad():
         return sum(task.loss(module, task.batch(generator, batch_size)).item()
                    for _ in range(HELD_OUT_BATCHES)) / HELD_OUT_BATCHES

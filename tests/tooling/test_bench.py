@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpx_bench.converge import _learning_rate
+from ddpx_bench.converge import _learning_rate, held_out_seed, step_seed, task_seed
 from ddpx_bench.processes import alive, left_in_shm, shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -925,6 +925,20 @@ def test_converge(tmp_path):
     assert abs(rows["ddpx"]["vs_default_pct"]) < 0.1
     assert "final loss" in stdout and "held-out loss" in stdout and "vs default %" in stdout
     assert re.search(r" none .* no +no communication.*: not a way to train", stdout), stdout
+
+
+def test_converge_draws_its_task_steps_and_held_out_batches_from_streams_of_their_own():
+    """No two of the converge run's streams share a seed: the task's, each rank's at each step
+    and its held-out one, for the seeds, ranks and steps runs use, and at the largest that
+    step_seed's bound covers."""
+    seeds, ranks, steps = (0, 1, 2, 2**20 - 1), (0, 1, 3, 2**20 - 1), (0, 1, 199, 2**20 - 1)
+    drawn = [step_seed(seed, rank, index) for seed in seeds for rank in ranks for index in steps]
+    drawn += [task_seed(seed) for seed in seeds]
+    drawn += [held_out_seed(seed, rank) for seed in seeds for rank in ranks]
+    assert len(set(drawn)) == len(drawn)
+    assert max(step_seed(seed, rank, index) for seed in seeds for rank in ranks
+               for index in steps) < 2**61 <= min(task_seed(seed) for seed in seeds)
+    assert max(drawn) < 2**63  # torch.Generator.manual_seed takes it as it is
 
 
 def test_converge_learning_rate():
