@@ -363,10 +363,9 @@ def timed_steps(models: dict, batches: list[torch.Tensor], warmup: int, steps: i
     """`warmup` + `steps` steps of every model (hooked_models') with its optimizer in turn, on
     `batches` in rotation: name -> this rank's seconds for each step after the warm-up
     (slowest_rank_stats makes them the slowest rank's); `traffic` (common.link_traffic's) counts
-    each step's bytes on the link, `timings` (EngineTimes, FirstBucket) time each step's
-    parts, `cpu` the
-    machine's CPU time in each step, warm-up included (steps_in_turns). tools/gpu_report.py uses it
-    too."""
+    each step's bytes on the link, `timings` (EngineTimes, FirstBucket) time each step's parts,
+    `cpu` the machine's CPU time in each step, warm-up included (steps_in_turns).
+    tools/gpu_report.py uses it too."""
     steps_of = {name: functools.partial(_step, model, optimizer, batches)
                 for name, (model, _, optimizer) in models.items()}
     for timing in timings:
@@ -582,11 +581,16 @@ def _max_abs_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in pairs)
 
 
+def _floors(rows: list[dict]) -> dict:
+    """(link, world size) -> none's row of that cell."""
+    return {(row["link"], row["world_size"]): row for row in rows if row["hook"] == "none"}
+
+
 def least_step_lines(rows: list[dict]) -> list[str]:
     """Each hook's least step on its link beside its measured step, both against none's."""
     if not any("least_step_ms" in row for row in rows):
         return []
-    floors = {(row["link"], row["world_size"]): row for row in rows if row["hook"] == "none"}
+    floors = _floors(rows)
     lines = ["least step: none's first bucket comes F ms into its step (the forward and the "
              "last layers' backward), before which no hook has anything to send, and then a "
              "hook's bytes take S/R on the link:"]
@@ -636,15 +640,15 @@ class Train(Mode):
         and the least its step can take (least_step_ms): none's first bucket, then those bytes."""
         from ddpx_bench.testbed import bits_per_second  # only where --link ran
 
-        first = {(row["link"], row["world_size"]): row["first_bucket_ms"]
-                 for row in rows if row["hook"] == "none"}
+        floors = _floors(rows)
         for row in rows:
             sent = row.get("link_bytes_per_step")
             if row["link"] == "none" or sent is None:
                 continue
             row["link_floor_ms"] = sent * 8 / bits_per_second(row["link"]) * 1e3
-            if (row["link"], row["world_size"]) in first:
-                row["least_step_ms"] = first[row["link"], row["world_size"]] + row["link_floor_ms"]
+            floor = floors.get((row["link"], row["world_size"]))
+            if floor is not None:
+                row["least_step_ms"] = floor["first_bucket_ms"] + row["link_floor_ms"]
 
     def table(self, rows: list[dict]) -> list[str]:
         runs = rows[0].get("runs")
